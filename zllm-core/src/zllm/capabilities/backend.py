@@ -1,0 +1,52 @@
+"""The minimal backend protocol and the static description a backend plugin publishes."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from zllm.capabilities import Capability
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime needs from a backend instance beyond its kernels.
+
+    A backend class is constructed as ``cls(threads=N_or_None)``; it must also provide the
+    classmethod ``unavailable_reason() -> str | None`` which is called *before*
+    construction and returns why the backend cannot run here (``None`` = it can).
+    """
+
+    name: str
+    device: torch.device
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Put a weight or cache tensor (any dtype) where the kernels expect it."""
+        ...
+
+
+@attrs.frozen
+class BackendInfo:
+    """A backend as published by the ``zllm_backends`` hook: pure data, no device touched.
+
+    Attributes:
+        name: the name users put in ``backend.name`` (``cpu``, ``cuda`` ...).
+        factory: lazy ``"module:Class"`` reference to the :class:`Backend` class.
+        capabilities: what the backend declares it runs; must agree with its kernels.
+        priority: automatic selection picks the highest priority available backend.
+        description: one line for ``zllm plugins``.
+    """
+
+    name: str
+    factory: str
+    capabilities: frozenset[Capability]
+    priority: int = 0
+    description: str = ""
+
+    def load_class(self) -> type:
+        """Import the backend class. Raises ImportError/AttributeError from the plugin."""
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)

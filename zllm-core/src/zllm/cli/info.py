@@ -1,0 +1,80 @@
+"""Inspection subcommands: ``plugins``, ``config validate|migrate``, ``card``, ``compat``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from zllm.spec.errors import ConfigError
+
+
+def _host():
+    from zllm.engine.engine import plugin_allowlist_from_env
+    from zllm.plugins.host import PluginHost
+
+    return PluginHost(allowlist=plugin_allowlist_from_env())
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    host = _host()
+    rows = [
+        {"name": r.name, "distribution": r.distribution, "version": r.version, "kind": r.kind,
+         "status": r.status, "reason": r.reason, "api": r.api, "requires_core": r.requires_core}
+        for r in host.records
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    cols = ("name", "distribution", "version", "kind", "status", "reason")
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols}
+    print("  ".join(c.upper().ljust(widths[c]) for c in cols).rstrip())
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols).rstrip())
+    if not rows:
+        print("(no zllm plugins installed)")
+    return 0
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    from zllm.spec.config import load_config
+
+    cfg = load_config(args.file)
+    print(f"{args.file}: valid (schema_version {cfg.schema_version})")
+    return 0
+
+
+def cmd_config_migrate(args: argparse.Namespace) -> int:
+    from zllm.spec.migrations import migrate_file_text
+
+    path = Path(args.file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("", f"{path}: cannot read: {exc.strerror}") from None
+    migrated = migrate_file_text(text)
+    if args.in_place:
+        path.write_text(migrated, encoding="utf-8")
+    elif args.output:
+        Path(args.output).write_text(migrated, encoding="utf-8")
+    else:
+        sys.stdout.write(migrated)
+    return 0
+
+
+def cmd_card(args: argparse.Namespace) -> int:
+    from zllm.engine.loader import resolve_family
+    from zllm.weights import build_model_card, open_checkpoint
+
+    ckpt = open_checkpoint(args.path)
+    family = resolve_family(_host(), ckpt).name
+    sys.stdout.write(build_model_card(ckpt, family).to_yaml())
+    return 0
+
+
+def cmd_compat(args: argparse.Namespace) -> int:
+    from zllm.compat import compute_matrix, render
+
+    sys.stdout.write(render(compute_matrix(_host()), args.format))
+    return 0

@@ -1,0 +1,102 @@
+"""The ``zllm`` command line. User errors print one line on stderr and exit 2;
+``--debug`` shows the traceback instead."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+import warnings
+from typing import Callable, Sequence
+
+from zllm.spec.errors import ZllmError
+
+EXIT_USER_ERROR = 2
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate text from the configured model, streaming to stdout")
+    p.add_argument("--config", required=True, help="YAML config file")
+    p.add_argument("--backend", help="override backend.name")
+    p.add_argument("--prompt", help="prompt text (default: generation.prompt)")
+    p.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--explain", action="store_true", help="print the kernel chosen for each op and why")
+    p.set_defaults(func=_cmd("zllm.cli.run:cmd_run"))
+
+
+def _add_plugins(sub) -> None:
+    p = sub.add_parser("plugins", help="list installed plugins with their status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd("zllm.cli.info:cmd_plugins"))
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="validate or migrate a config file")
+    csub = p.add_subparsers(dest="config_cmd", required=True)
+    v = csub.add_parser("validate", help="check a config file; errors name the key path")
+    v.add_argument("file")
+    v.set_defaults(func=_cmd("zllm.cli.info:cmd_config_validate"))
+    m = csub.add_parser("migrate", help="rewrite a config to the current schema, keeping comments")
+    m.add_argument("file")
+    m.add_argument("-o", "--output", help="write here instead of stdout")
+    m.add_argument("--in-place", action="store_true", help="overwrite FILE")
+    m.set_defaults(func=_cmd("zllm.cli.info:cmd_config_migrate"))
+
+
+def _add_card(sub) -> None:
+    p = sub.add_parser("card", help="print a checkpoint's ModelCard as YAML")
+    p.add_argument("path", help="HF checkpoint directory or GGUF file")
+    p.set_defaults(func=_cmd("zllm.cli.info:cmd_card"))
+
+
+def _add_compat(sub) -> None:
+    p = sub.add_parser("compat", help="print the families x backends x formats compatibility matrix")
+    p.add_argument("--format", choices=("text", "md", "json"), default="text")
+    p.set_defaults(func=_cmd("zllm.cli.info:cmd_compat"))
+
+
+def _cmd(ref: str) -> Callable[[argparse.Namespace], int]:
+    """Import subcommands lazily so ``zllm --help`` stays fast."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)(args)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zllm", description="LLM inference through plugins")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_plugins, _add_config, _add_card, _add_compat):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.formatwarning = _format_warning
+    try:
+        return args.func(args)
+    except ZllmError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""``zllm run``: stream a generation to stdout; stats on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import attrs
+
+from zllm.spec.config import load_config
+
+
+def _overrides(cfg, args: argparse.Namespace):
+    gen = {}
+    if args.prompt is not None:
+        gen["prompt"] = args.prompt
+    for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+        if getattr(args, name) is not None:
+            gen[name] = getattr(args, name)
+    if gen:
+        from zllm.spec.config import config_from_dict, config_to_dict
+
+        data = config_to_dict(cfg)
+        data["generation"].update(gen)
+        if args.backend:
+            data["backend"]["name"] = args.backend
+        return config_from_dict(data)
+    if args.backend:
+        cfg = attrs.evolve(cfg, backend=attrs.evolve(cfg.backend, name=args.backend))
+    return cfg
+
+
+def _progress():
+    """tqdm byte progress for weight loading, only on a terminal."""
+    if not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar: dict = {}
+
+    def on_start(total: int) -> None:
+        bar["bar"] = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False)
+
+    def on_tensor(name: str, nbytes: int) -> None:
+        bar["bar"].update(nbytes)
+
+    return on_start, on_tensor
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from zllm.engine.engine import Engine
+
+    cfg = _overrides(load_config(args.config), args)
+    on_start, on_tensor = _progress()
+    engine = Engine.from_config(cfg, on_start=on_start, on_tensor=on_tensor)
+    if args.explain:
+        _explain(engine)
+    gen = cfg.generation
+    request = {"prompt": gen.prompt}
+    t0 = time.perf_counter()
+    first = None
+    final = None
+    for event in engine.generate_stream(request):
+        if "finish_reason" in event:
+            final = event
+            break
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(event["text"])
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    end = time.perf_counter()
+    usage = final["usage"]
+    n = usage["completion_tokens"]
+    ttft_ms = ((first or end) - t0) * 1000
+    decode_s = end - (first or end)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+    print(
+        f"prompt tokens: {usage['prompt_tokens']}, generated tokens: {n}, "
+        f"TTFT: {ttft_ms:.1f} ms, decode: {rate:.1f} tokens/s, finish: {final['finish_reason']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _explain(engine) -> None:
+    loaded = engine.loaded
+    out = sys.stderr
+    print(f"family: {loaded.family_info.name} (architecture {loaded.checkpoint.architecture})", file=out)
+    print(f"backend: {loaded.backend_choice.info.name} — {loaded.backend_choice.reason}", file=out)
+    for line in loaded.ops.explain():
+        print(f"  {line.capability:<18} -> {line.kernel}  ({line.reason})", file=out)

@@ -1,0 +1,105 @@
+"""f32 reference of causal paged attention (vLLM's PagedAttention layout).
+
+Dimension legend: ``T`` tokens in the flattened batch, ``S`` sequences, ``H`` query heads,
+``Hkv`` KV heads (``H % Hkv == 0``; MHA ``Hkv == H``, GQA ``1 < Hkv < H``, MQA
+``Hkv == 1``), ``D`` head dim, ``NB`` cache blocks, ``BS`` block size, ``MB`` max blocks
+per sequence, ``Q`` query tokens of one sequence, ``L`` its context length.
+
+Sources: scaled dot-product attention (Vaswani et al. 2017); paged KV cache with block
+tables and slot mapping (Kwon et al. 2023, vLLM); grouped-query attention by repeating KV
+heads (Ainslie et al. 2023; HF ``repeat_kv``: query head ``h`` reads KV head
+``h // (H // Hkv)``).
+
+The queries of a sequence are the last ``Q`` of its ``L`` context tokens, so query ``i``
+sits at absolute position ``L - Q + i`` and may attend to keys ``0 .. L - Q + i``
+(bottom-right aligned causal mask). The softmax is written out in f32 rather than calling
+``scaled_dot_product_attention`` so that this oracle is independent of the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zllm.capabilities.ops import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``k``, ``v`` ``[T, Hkv, D]`` into the caches ``[NB, BS, Hkv, D]`` at ``slot_mapping`` int64 ``[T]`` (in place)."""
+    nb, bs, hkv, d = k_cache.shape
+    assert k.shape == v.shape and tuple(k.shape[1:]) == (hkv, d), (k.shape, v.shape, k_cache.shape)
+    assert slot_mapping.shape == (k.shape[0],), (slot_mapping.shape, k.shape)
+    assert k.shape[0] == 0 or (0 <= int(slot_mapping.min()) and int(slot_mapping.max()) < nb * bs), "slot out of range"
+    for t in range(k.shape[0]):
+        slot = int(slot_mapping[t])
+        block, offset = slot // bs, slot % bs
+        k_cache[block, offset] = k[t].to(k_cache.dtype)
+        v_cache[block, offset] = v[t].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first ``context_len`` cached tokens of one sequence as f32 ``[L, Hkv, D]``.
+
+    ``cache`` is ``[NB, BS, Hkv, D]``, ``block_table`` int64 ``[MB]`` (padding -1 after the
+    blocks in use).
+    """
+    _, bs, hkv, d = cache.shape
+    n_blocks = -(-context_len // bs)  # ceil
+    blocks = block_table[:n_blocks]  # [n_blocks]
+    assert bool((blocks >= 0).all()), ("block table has padding inside the context", block_table, context_len)
+    tokens = cache[blocks].reshape(n_blocks * bs, hkv, d)  # [n_blocks * BS, Hkv, D]
+    return tokens[:context_len].float()  # [L, Hkv, D]
+
+
+def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q`` f32 ``[Q, H, D]`` over ``k``, ``v`` f32 ``[L, Hkv, D]`` whose last ``Q`` tokens are the queries.
+
+    Returns f32 ``[Q, H, D]``.
+    """
+    n_q, h, d = q.shape
+    n_ctx, hkv, _ = k.shape
+    assert n_q <= n_ctx and h % hkv == 0, (q.shape, k.shape)
+    k = k.repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+    v = v.repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Q, L]
+    q_pos = torch.arange(n_ctx - n_q, n_ctx)  # absolute position of each query
+    k_pos = torch.arange(n_ctx)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores - scores.amax(dim=-1, keepdim=True)  # every row keeps key 0, so the max is finite
+    weights = scores.exp()
+    weights = weights / weights.sum(dim=-1, keepdim=True)  # [H, Q, L]
+    return torch.einsum("hqk,khd->qhd", weights, v)  # [Q, H, D]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Causal paged attention for a flattened batch; see :class:`AttentionMetadata`.
+
+    ``q`` f32 ``[T, H, D]``, ``k``/``v`` f32 ``[T, Hkv, D]``, caches ``[NB, BS, Hkv, D]``
+    (any float dtype; written in place at ``meta.slot_mapping`` first) -> f32 ``[T, H, D]``.
+    """
+    t, h, d = q.shape
+    assert q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+    assert k.shape == v.shape and k.shape[0] == t and k.shape[2] == d and h % k.shape[1] == 0, (q.shape, k.shape)
+    assert k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == tuple(k.shape[1:]), (k_cache.shape, k.shape)
+    n_seq = len(meta.query_lens)
+    assert len(meta.context_lens) == n_seq and meta.block_tables.shape[0] == n_seq, meta
+    assert sum(meta.query_lens) == t, (meta.query_lens, t)
+    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens)), meta
+
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)  # [T, H, D]
+    start = 0
+    for s in range(n_seq):
+        n_q, n_ctx = meta.query_lens[s], meta.context_lens[s]
+        ctx_k = gather_context(k_cache, meta.block_tables[s], n_ctx)  # [L, Hkv, D]
+        ctx_v = gather_context(v_cache, meta.block_tables[s], n_ctx)  # [L, Hkv, D]
+        out[start : start + n_q] = causal_softmax_attention(q[start : start + n_q], ctx_k, ctx_v, meta.scale)
+        start += n_q
+    return out

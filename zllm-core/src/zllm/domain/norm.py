@@ -1,0 +1,21 @@
+"""f32 reference of RMSNorm.
+
+Dimension legend: ``T`` tokens, ``K`` hidden size.
+
+Formula (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; HF
+``transformers.models.llama.modeling_llama.LlamaRMSNorm``):
+``y = x / sqrt(mean(x^2) + eps) * weight``, computed in f32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x`` f32 ``[T, K]``, ``weight`` ``[K]`` (any float dtype) -> f32 ``[T, K]``."""
+    assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)
+    assert tuple(weight.shape) == (x.shape[1],), (weight.shape, x.shape)
+    assert eps >= 0, eps
+    variance = x.pow(2).mean(dim=-1, keepdim=True)  # [T, 1]
+    return x * torch.rsqrt(variance + eps) * weight.float()  # [T, K]

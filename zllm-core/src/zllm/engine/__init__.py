@@ -1,0 +1,1 @@
+"""In-process entry: :class:`zllm.engine.engine.Engine`."""

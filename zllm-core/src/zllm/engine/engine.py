@@ -1,0 +1,133 @@
+"""``zllm.Engine``: the in-process API with the same request/response JSON as the server.
+
+Thread safety: one lock serialises steps, so several threads (e.g. server handlers) may
+each drive ``generate``/``generate_stream``; whichever thread steps delivers every
+sequence's outputs to its owner's queue.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from zllm.engine.loader import LoadedModel, auto_num_blocks, load_model
+from zllm.plugins.host import PluginHost
+from zllm.runtime.kv_cache import PagedKVCache
+from zllm.runtime.llm_engine import LLMEngine, StepOutput
+from zllm.runtime.sequence import Sequence
+from zllm.spec.config import ZllmConfig, load_config
+from zllm.spec.request import GenerationRequest, make_delta_event, make_final_event, make_response, parse_request
+
+
+def plugin_allowlist_from_env(environ: dict[str, str] | None = None) -> list[str] | None:
+    """``ZLLM_PLUGINS`` (comma-separated entry-point names) or None when unset/empty."""
+    value = (os.environ if environ is None else environ).get("ZLLM_PLUGINS", "")
+    return [v for v in value.split(",") if v.strip()] or None
+
+
+class Engine:
+    """A loaded model ready to generate. Build it with :meth:`from_config`."""
+
+    def __init__(self, loaded: LoadedModel, host: PluginHost):
+        self.loaded, self.host = loaded, host
+        cfg = loaded.config
+        shape = loaded.model.kv_shape
+        num_blocks = cfg.runtime.kv_cache.num_blocks or auto_num_blocks(cfg, loaded)
+        kv = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks,
+                          cfg.runtime.kv_cache.block_size, device=loaded.backend.device)
+        self.llm = LLMEngine(
+            loaded.model, loaded.ops, loaded.tokenizer, kv, loaded.eos_token_ids,
+            max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
+            prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
+            device=loaded.backend.device,
+        )
+        self._lock = threading.Lock()
+        self._queues: dict[int, deque[StepOutput]] = {}
+
+    @classmethod
+    def from_config(cls, config: ZllmConfig | str | os.PathLike[str], *, host: PluginHost | None = None,
+                    on_tensor: Callable[[str, int], None] | None = None,
+                    on_start: Callable[[int], None] | None = None) -> "Engine":
+        """Load the model a config names.
+
+        Args:
+            config: a :class:`ZllmConfig` or the path of a YAML config file.
+            host: a plugin host; default discovers installed plugins, honouring ``ZLLM_PLUGINS``.
+            on_start, on_tensor: load-progress callbacks (total bytes; each tensor).
+
+        Raises:
+            ZllmError subclasses for every user error (config, checkpoint, capability, plugin).
+        """
+        cfg = config if isinstance(config, ZllmConfig) else load_config(Path(config))
+        host = host or PluginHost(allowlist=plugin_allowlist_from_env())
+        return cls(load_model(cfg, host, on_tensor=on_tensor, on_start=on_start), host)
+
+    @property
+    def config(self) -> ZllmConfig:
+        return self.loaded.config
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def parse(self, request: dict[str, Any]) -> GenerationRequest:
+        """Validate a request dict against the Request JSON contract (config defaults fill gaps)."""
+        return parse_request(request, self.config.generation)
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        add = self.tokenizer.add_bos if req.add_bos is None else req.add_bos
+        return self.tokenizer.encode(req.prompt, add_special_tokens=add)
+
+    def submit(self, request: dict[str, Any] | GenerationRequest) -> Sequence:
+        """Validate, tokenize and queue a request; return its sequence handle."""
+        req = request if isinstance(request, GenerationRequest) else self.parse(request)
+        ids = self.prompt_ids(req)
+        with self._lock:
+            seq = self.llm.add_request(req, ids, req.max_tokens)
+            self._queues[seq.seq_id] = deque()
+        return seq
+
+    def _outputs(self, seq: Sequence) -> Iterator[StepOutput]:
+        """This sequence's step outputs, stepping the engine as needed."""
+        queue = self._queues[seq.seq_id]
+        try:
+            while True:
+                while queue:
+                    out = queue.popleft()
+                    yield out
+                    if out.finished:
+                        return
+                with self._lock:
+                    if not queue:
+                        for out in self.llm.step():
+                            self._queues[out.seq.seq_id].append(out)
+        finally:
+            with self._lock:
+                if seq.finish_reason is None:
+                    self.llm.abort(seq)
+                self._queues.pop(seq.seq_id, None)
+
+    def generate_stream(self, request: dict[str, Any] | GenerationRequest) -> Iterator[dict[str, Any]]:
+        """Stream events: one per step that produced output (``text`` delta and
+        ``token_ids``), then a final event with ``finish_reason`` and ``usage``.
+        Closing the iterator early aborts the request and frees its KV cache."""
+        seq = self.submit(request)
+        return self._stream_events(seq)
+
+    def _stream_events(self, seq: Sequence) -> Iterator[dict[str, Any]]:
+        for out in self._outputs(seq):
+            if out.text or out.token_ids:
+                yield make_delta_event(out.text, list(out.token_ids))
+        yield make_final_event(seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+
+    def generate(self, request: dict[str, Any] | GenerationRequest) -> dict[str, Any]:
+        """Run a request to completion; return ``text``, ``token_ids``, ``finish_reason``, ``usage``."""
+        seq = self.submit(request)
+        text = "".join(out.text for out in self._outputs(seq))
+        return make_response(text, list(seq.output_ids), seq.finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), seq.cached_tokens)

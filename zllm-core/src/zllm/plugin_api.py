@@ -1,0 +1,43 @@
+"""Everything a zllm plugin may import from zllm — and nothing else.
+
+Backends and model families import this module only (an import-linter contract enforces
+it), so the core can reorganise its internals without breaking plugins. Declare the API
+you target in your plugin module::
+
+    ZLLM_PLUGIN_API = "1.0"
+
+and implement hooks from :mod:`zllm.plugins.hookspecs` decorated with :data:`hookimpl`.
+"""
+
+from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities.backend import Backend, BackendInfo
+from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+from zllm.domain.family import FamilyInfo, KVCacheShape
+from zllm.domain.rope import default_inv_freq, rope_cos_sin
+from zllm.kernels.registry import KernelRegistry
+from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
+from zllm.spec.errors import CheckpointError
+from zllm.spec.tensor_spec import TensorSpec
+from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor, format_of
+
+__all__ = [
+    "AttentionMetadata",
+    "BLOCK_LAYOUTS",
+    "Backend",
+    "BackendInfo",
+    "CORE_CAPABILITIES",
+    "Capability",
+    "CheckpointError",
+    "DTYPE_OF_FORMAT",
+    "FamilyInfo",
+    "KVCacheShape",
+    "KernelRegistry",
+    "PLUGIN_API_VERSION",
+    "QuantizedTensor",
+    "SamplingRow",
+    "TensorSpec",
+    "default_inv_freq",
+    "format_of",
+    "hookimpl",
+    "rope_cos_sin",
+]

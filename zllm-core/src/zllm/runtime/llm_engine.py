@@ -1,0 +1,132 @@
+"""The runtime loop: admit requests, run steps, apply stop rules, emit outputs.
+
+This is the one execution flow every entry point (CLI, ``zllm.Engine``, the HTTP server)
+drives: ``add_request`` then ``step`` until the request reports ``finished``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+
+import attrs
+import torch
+
+from zllm.runtime.kv_cache import PagedKVCache
+from zllm.runtime.runner import ModelRunner
+from zllm.runtime.scheduler import Scheduler
+from zllm.runtime.sequence import Sequence
+from zllm.spec.errors import ContextLengthError, RequestError
+from zllm.spec.request import GenerationRequest
+
+
+@attrs.frozen
+class StepOutput:
+    """What one step produced for one sequence.
+
+    Attributes:
+        seq: the sequence.
+        text: newly released text (may be empty while a stop string or a multi-byte
+            character is held back).
+        token_ids: tokens that belong to the output from this step (a stop token is not one).
+        finished: True on the sequence's last output; ``seq.finish_reason`` is then set.
+    """
+
+    seq: Sequence
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+
+
+class LLMEngine:
+    """Drives one model on one backend.
+
+    Args:
+        model: a built model (see ``zllm.domain.family.Model``).
+        ops: the model's bound kernels (``sample`` is used here).
+        tokenizer: a ``zllm.tokenizer.Tokenizer``.
+        kv: the paged KV cache sized for this model.
+        eos_token_ids: ids that end generation (from generation config / GGUF / config).
+        max_num_seqs, max_prefill_tokens, prefix_cache_seqs: scheduler settings.
+        context_length: the context window in tokens.
+        device: where batch tensors go.
+    """
+
+    def __init__(self, model, ops, tokenizer, kv: PagedKVCache, eos_token_ids: frozenset[int], *,
+                 max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int, context_length: int,
+                 device: torch.device):
+        from zllm.tokenizer import IncrementalDetokenizer
+
+        self._detokenizer_cls = IncrementalDetokenizer
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs)
+        self.runner = ModelRunner(model, ops, kv, device)
+        self._ids = itertools.count()
+
+    def add_request(self, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int) -> Sequence:
+        """Queue a request whose prompt is already tokenized.
+
+        Raises:
+            RequestError: empty prompt or a token id outside the vocabulary.
+            ContextLengthError: the prompt is longer than the context window.
+        """
+        if not prompt_ids:
+            raise RequestError("prompt", "the prompt is empty after tokenization (and no BOS token is added)")
+        vocab = self.runner.model.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) > self.context_length:
+            raise ContextLengthError(len(prompt_ids), self.context_length)
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+        seq = Sequence(
+            next(self._ids), request, list(prompt_ids), max_new_tokens,
+            self.eos_token_ids | frozenset(request.stop_token_ids),
+            self._detokenizer_cls(self.tokenizer, prompt_ids=list(prompt_ids)), generator,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one step; return the outputs it produced."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        outputs = []
+        now = time.perf_counter()
+        for seq, token in self.runner.execute(scheduled):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            outputs.append(self._accept(seq, token))
+        return outputs
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def _accept(self, seq: Sequence, token: int) -> StepOutput:
+        if token in seq.stop_token_ids:
+            return self._finish(seq, "stop", "", ())
+        seq.output_ids.append(token)
+        text, stopped = seq.stop_matcher.feed(seq.detokenizer.push([token]))
+        if stopped:
+            return self._finish(seq, "stop", text, (token,), flush=False)
+        if len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length:
+            return self._finish(seq, "length", text, (token,))
+        return StepOutput(seq, text, (token,), False)
+
+    def _finish(self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...], flush: bool = True) -> StepOutput:
+        """End ``seq``. Unless a stop string ended it, release what was held back: an
+        incomplete UTF-8 tail and a tail that only looked like the start of a stop string."""
+        if flush:
+            tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
+            text += tail if stopped else tail + seq.stop_matcher.flush()
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        return StepOutput(seq, text, token_ids, True)

@@ -1,0 +1,72 @@
+"""Runs one scheduled step: builds the flattened batch, calls the model, samples.
+
+Dimension legend: T new tokens in the step (all sequences), S sequences in the step,
+S' sequences that reach their end in this step and therefore sample a token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+from zllm.runtime.kv_cache import PagedKVCache
+from zllm.runtime.scheduler import ScheduledStep
+from zllm.runtime.sequence import Sequence
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class ModelRunner:
+    """Owns the model, its bound kernels and the KV cache of one engine."""
+
+    def __init__(self, model, ops, kv: PagedKVCache, device: torch.device):
+        self.model, self.ops, self.kv, self.device = model, ops, kv, device
+        self.scale = model.kv_shape.head_dim ** -0.5
+
+    def execute(self, step: ScheduledStep) -> list[tuple[Sequence, int]]:
+        """Compute the step's tokens; return ``(sequence, sampled token)`` for every sequence
+        whose computed span reached its last token."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampling: list[Sequence] = []
+        logits_rows: list[int] = []
+        for seq, n in step.items:
+            start = seq.num_computed
+            ids += seq.token_span(start, start + n)
+            positions += range(start, start + n)
+            slots += self.kv.append(seq.kv, n)
+            if seq.num_computed == seq.num_tokens:
+                sampling.append(seq)
+                logits_rows.append(len(ids) - 1)
+        seqs = [s for s, _ in step.items]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=self.kv.block_table([s.kv for s in seqs], self.device),
+            query_lens=tuple(n for _, n in step.items),
+            context_lens=tuple(s.num_computed for s in seqs),
+            scale=self.scale,
+        )
+        logits_indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            logits = self.model.forward(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                meta, self.kv.layers, logits_indices,
+            )  # [S', V]
+            if not sampling:
+                return []
+            tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
+        return list(zip(sampling, tokens.tolist()))
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        r = seq.request
+        penalised = r.repetition_penalty != 1.0 or r.presence_penalty != 0.0 or r.frequency_penalty != 0.0
+        return SamplingRow(
+            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+            repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
+            frequency_penalty=r.frequency_penalty,
+            prompt_token_ids=seq.prompt_tensor.to(self.device) if penalised else _EMPTY,
+            output_token_ids=torch.tensor(seq.output_ids, dtype=torch.int64, device=self.device) if penalised else _EMPTY,
+            generator=seq.generator,
+        )

@@ -1,0 +1,64 @@
+"""One generation request's state as the runtime sees it."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from zllm.runtime.kv_cache import SeqKV
+from zllm.runtime.stop import StopStringMatcher
+from zllm.spec.request import GenerationRequest
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request in flight: its tokens, KV handle, sampling state and stop rules.
+
+    ``num_computed`` tokens of ``prompt_ids + output_ids`` are in the KV cache. A step
+    computes the next tokens from there; when it reaches the end a new token is sampled. So
+    a New Prefill, an Append Prefill (cached prefix or chunked prompt) and a Decode Round
+    are the same operation on different spans.
+    """
+
+    def __init__(self, seq_id: int, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int,
+                 stop_token_ids: frozenset[int], detokenizer, generator: torch.Generator):
+        self.seq_id = seq_id
+        self.request = request
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = stop_token_ids
+        self.kv = SeqKV()
+        self.cached_tokens = 0
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.stop_matcher = StopStringMatcher(request.stop)
+        self.generator = generator
+        self.prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int64)
+        self.first_token_time: float | None = None
+
+    @property
+    def num_computed(self) -> int:
+        return self.kv.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_span(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of ``prompt_ids + output_ids``."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(0, start - p): end - p]
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

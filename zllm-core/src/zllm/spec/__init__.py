@@ -1,0 +1,1 @@
+"""Pure-data contracts: config, TensorSpec, ModelCard, request schema, errors. Imports nothing above it."""

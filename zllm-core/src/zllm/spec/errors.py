@@ -1,0 +1,90 @@
+"""Typed user-facing errors. Each carries its subject (key path, file, tensor, capability).
+
+Every subclass of :class:`ZllmError` is a *user* error: the CLI prints its message on one
+line and exits with status 2; ``--debug`` shows the traceback. Internal invariants use
+``assert``, never these classes.
+"""
+
+from __future__ import annotations
+
+
+class ZllmError(Exception):
+    """Base class of every error a user can cause (bad config, file, request, plugin)."""
+
+
+class ConfigError(ZllmError):
+    """A config value is wrong. ``path`` is the dotted key path, e.g. ``runtime.kv_cache.block_size``."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class RequestError(ZllmError):
+    """A generation request is invalid. ``field`` names the request field."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class ContextLengthError(RequestError):
+    """The prompt does not fit in the model's context window."""
+
+    def __init__(self, prompt_tokens: int, context_length: int):
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        super().__init__(
+            "prompt",
+            f"prompt is {prompt_tokens} tokens but the context window is {context_length} tokens",
+        )
+
+
+class CheckpointError(ZllmError):
+    """A weight, config or tokenizer file is missing, corrupt or inconsistent. ``file`` names it."""
+
+    def __init__(self, file: str, message: str):
+        self.file = str(file)
+        super().__init__(f"{self.file}: {message}")
+
+
+class TensorError(CheckpointError):
+    """A tensor is missing, unused or mis-shaped. ``tensor`` names it."""
+
+    def __init__(self, file: str, tensor: str, message: str):
+        self.tensor = tensor
+        super().__init__(file, f"tensor {tensor!r}: {message}")
+
+
+class UnknownArchitectureError(CheckpointError):
+    """No installed model family handles the checkpoint's architecture."""
+
+
+class CapabilityError(ZllmError):
+    """A model family needs capabilities that the selected backend does not declare."""
+
+    def __init__(self, missing: list[str], backend: str, family: str):
+        self.missing = sorted(missing)
+        self.backend = backend
+        self.family = family
+        super().__init__(
+            f"backend {backend!r} lacks capabilit{'y' if len(self.missing) == 1 else 'ies'} "
+            f"{', '.join(self.missing)} needed by model family {family!r}"
+        )
+
+
+class KernelNotFound(ZllmError):
+    """No kernel is registered for (op, backend, format). ``registered`` lists what exists for op."""
+
+    def __init__(self, op: str, backend: str, fmt: str, registered: list[str]):
+        self.op, self.backend, self.fmt, self.registered = op, backend, fmt, registered
+        have = ", ".join(registered) if registered else "nothing"
+        super().__init__(f"no kernel {op!r} for backend {backend!r} and format {fmt!r}; registered for {op!r}: {have}")
+
+
+class PluginError(ZllmError):
+    """A plugin cannot be used (not installed, filtered out, broken, unavailable device)."""
+
+
+class BackendUnavailable(PluginError):
+    """The configured backend exists but cannot run here; the message says why."""

@@ -1,0 +1,144 @@
+"""Checkpoint: a read-only, layout-aware view of one model's weight files.
+
+Two formats: an HF directory (``config.json`` + safetensors, see :mod:`zllm.weights.hf`) and a
+single GGUF file (see :mod:`zllm.weights.gguf_file`). Both present tensors under canonical
+(Hugging Face) names, in their stored dtype or block format, without copying file data.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zllm.spec.errors import CheckpointError
+from zllm.weights.formats import QuantizedTensor
+
+CHECKPOINT_FORMATS = ("auto", "hf", "gguf")
+GGUF_MAGIC = b"GGUF"
+
+
+class Checkpoint(abc.ABC):
+    """A model checkpoint, opened but not loaded. Tensor data is read (mapped) on demand.
+
+    Attributes:
+        path: the directory (``hf``) or file (``gguf``) that was opened.
+        format: ``"hf"`` or ``"gguf"``.
+    """
+
+    path: Path
+    format: str
+
+    @property
+    @abc.abstractmethod
+    def files(self) -> list[Path]:
+        """Every file this checkpoint is made of (weights, config, tokenizer), absolute paths."""
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> dict[str, Any]:
+        """The HF-style model config (``config.json`` keys: ``hidden_size``, ``num_hidden_layers`` …)."""
+
+    @property
+    @abc.abstractmethod
+    def generation_config(self) -> dict[str, Any]:
+        """HF-style generation defaults (``bos_token_id``, ``eos_token_id`` int or list …); may be empty."""
+
+    @property
+    @abc.abstractmethod
+    def architecture(self) -> str:
+        """The checkpoint's architecture name: HF ``model_type`` or GGUF ``general.architecture``."""
+
+    @property
+    @abc.abstractmethod
+    def metadata(self) -> dict[str, Any]:
+        """GGUF key/values decoded to Python values; ``{}`` for HF checkpoints."""
+
+    @abc.abstractmethod
+    def tensor_names(self) -> list[str]:
+        """Canonical (HF) names of every tensor in the checkpoint, in file order."""
+
+    @abc.abstractmethod
+    def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
+        """Logical shape and format of tensor ``name``, without reading data.
+
+        The shape of a block-quantized tensor is its dequantized ``(rows, cols)``. The format
+        is a zllm format name (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``) or, for a stored
+        type zllm does not support, that type's lower-case name (``q4_k``, ``i64`` …), which
+        :meth:`tensor` refuses.
+
+        Raises:
+            TensorError: no tensor ``name`` in the checkpoint.
+        """
+
+    @abc.abstractmethod
+    def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
+        """Tensor ``name`` in its stored dtype (dense) or block format (:class:`QuantizedTensor`).
+
+        Dense tensors are backed by the file mapping (no copy), except rows reordered to
+        the canonical layout (GGUF Q/K projections), which are a copy of that one tensor.
+        Writing to a returned tensor never changes the file (mappings are copy-on-write).
+
+        Raises:
+            TensorError: no tensor ``name`` in the checkpoint, or it is stored in a type zllm
+                does not support (the message names the type and the supported types).
+        """
+
+    @abc.abstractmethod
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name`` (for error messages). Raises TensorError if absent."""
+
+    @abc.abstractmethod
+    def load_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer as a ``zllm.tokenizer.Tokenizer``.
+
+        Raises:
+            CheckpointError: the checkpoint carries no tokenizer.
+        """
+
+
+def open_checkpoint(path: str | Path, fmt: str = "auto") -> Checkpoint:
+    """Open the checkpoint at ``path``.
+
+    Args:
+        path: an HF checkpoint directory (``config.json`` + ``model.safetensors`` or
+            ``model.safetensors.index.json`` and its shards) or a ``.gguf`` file.
+        fmt: ``"auto"`` (a directory is ``hf``, a file is ``gguf``), ``"hf"`` or ``"gguf"``.
+
+    Returns:
+        The opened :class:`Checkpoint`. Headers are parsed and file sizes checked against
+        them here, so a truncated or corrupt file fails now, before any tensor is used.
+
+    Raises:
+        CheckpointError: ``path`` does not exist; ``fmt`` is unknown; a directory lacks
+            ``config.json`` or weights; a file is not GGUF (bad magic); a file is truncated
+            or its header is corrupt. The error names the offending file.
+    """
+    path = Path(path)
+    if fmt not in CHECKPOINT_FORMATS:
+        raise CheckpointError(str(path), f"unknown checkpoint format {fmt!r}; expected one of {', '.join(CHECKPOINT_FORMATS)}")
+    if not path.exists():
+        raise CheckpointError(str(path), "no such file or directory")
+    if fmt == "auto":
+        fmt = "hf" if path.is_dir() else "gguf"
+    if fmt == "hf":
+        if not path.is_dir():
+            raise CheckpointError(str(path), "an hf checkpoint is a directory holding config.json and model.safetensors")
+        from zllm.weights.hf import HFCheckpoint
+
+        return HFCheckpoint(path)
+    if not path.is_file():
+        raise CheckpointError(str(path), "a gguf checkpoint is a single .gguf file, not a directory")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(
+            str(path),
+            f"not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r}); "
+            "an hf checkpoint is opened by its directory",
+        )
+    from zllm.weights.gguf_file import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)

@@ -1,0 +1,256 @@
+"""GGUF checkpoints: one file read with ``gguf.GGUFReader``, presented under HF names.
+
+The reader memory-maps the file copy-on-write (``mode="c"``): tensor arrays are writable
+views of the mapping, so ``torch.from_numpy`` shares them without a copy or a read-only
+warning, and nothing written to a tensor reaches the file. Config, tensor names and the
+Q/K row order come from the declarative maps in :mod:`zllm.weights.gguf_maps`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+
+from zllm.spec.errors import CheckpointError, TensorError, UnknownArchitectureError
+from zllm.weights.checkpoint import Checkpoint
+from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
+from zllm.weights.gguf_maps import ARCH_MAPS, REQUIRED, ROPE_ADJACENT_PAIR, GGUFArchMap, call_default
+
+# GGML tensor type → zllm format. Other types are reported by name and refused by tensor().
+GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
+    GGMLQuantizationType.F32: "f32",
+    GGMLQuantizationType.F16: "f16",
+    GGMLQuantizationType.BF16: "bf16",
+    GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_0: "q4_0",
+}
+
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def undo_adjacent_pair_rows(rows: int, n_head: int) -> torch.Tensor:
+    """int64 ``[rows]``: HF (half-rotation) row ``r`` is GGUF (adjacent-pair) row ``index[r]``.
+
+    Inverse of ``convert_hf_to_gguf.py`` ``LlamaModel.permute``, which writes
+    ``w.reshape(n_head, 2, D // 2, cols).swapaxes(1, 2)``: GGUF row ``h*D + 2*i + j`` is HF
+    row ``h*D + j*D/2 + i`` (head ``h``, rotation pair ``i``, pair half ``j``).
+    """
+    head_dim = rows // n_head
+    assert head_dim * n_head == rows and head_dim % 2 == 0, (rows, n_head)
+    gguf_rows = torch.arange(rows).reshape(n_head, head_dim // 2, 2)  # [h, i, j] = GGUF row
+    return gguf_rows.transpose(1, 2).reshape(rows)  # HF order h, j, i
+
+
+def _f32_value(value: float) -> float:
+    # GGUF stores 1e-5 as float32 (9.99999974e-06); its shortest float32 repr is the value
+    # that was written, so the config reads 1e-05 as config.json does.
+    return float(str(np.float32(value)))
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file. See :func:`zllm.weights.open_checkpoint` for the errors at open.
+
+    ``config`` and ``tensor_names`` need a map for the file's architecture
+    (:data:`zllm.weights.gguf_maps.ARCH_MAPS`); ``metadata``, ``files`` and
+    ``load_tokenizer`` work for any architecture (vocabulary-only files included).
+    """
+
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            reader = GGUFReader(path, mode="c")
+        except Exception as e:  # GGUFReader raises ValueError, IndexError, OSError … on bad files
+            raise CheckpointError(str(path), f"not a readable GGUF file (truncated or corrupt): {type(e).__name__}: {e}") from e
+        if reader.byte_order != "I":
+            raise CheckpointError(str(path), "big-endian GGUF files are not supported")
+        size = path.stat().st_size
+        for t in reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size or t.data.nbytes != t.n_bytes:
+                raise CheckpointError(str(path), f"truncated: tensor {t.name!r} ends at byte {end}, the file has {size} bytes")
+        self._reader = reader
+        self._raw: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
+
+    # --- metadata -----------------------------------------------------------------------
+
+    def _value(self, key: str) -> Any:
+        """Decoded value of metadata ``key`` (float32 scalars as their shortest decimal); None if absent."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            return None
+        value = field.contents()
+        if field.types[-1] == GGUFValueType.FLOAT32:
+            value = [_f32_value(v) for v in value] if isinstance(value, list) else _f32_value(value)
+        return value
+
+    @functools.cached_property
+    def metadata(self) -> dict[str, Any]:
+        # The GGUF.* entries are the reader's header pseudo-fields (version, counts), not key/values.
+        return {k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")}
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.path]
+
+    @property
+    def architecture(self) -> str:
+        arch = self._value("general.architecture")
+        if not isinstance(arch, str):
+            raise CheckpointError(str(self.path), "no 'general.architecture' metadata key")
+        return arch
+
+    @functools.cached_property
+    def _map(self) -> GGUFArchMap:
+        arch = self.architecture
+        try:
+            return ARCH_MAPS[arch]
+        except KeyError:
+            raise UnknownArchitectureError(
+                str(self.path), f"no GGUF map for architecture {arch!r}; mapped architectures: {', '.join(sorted(ARCH_MAPS))}"
+            ) from None
+
+    def _scalar(self, key: str) -> Any:
+        # llama.cpp's get_key_or_arr accepts per-layer arrays; zllm's config holds one value.
+        value = self._value(key)
+        if isinstance(value, list):
+            if not value or any(v != value[0] for v in value):
+                raise CheckpointError(str(self.path), f"metadata {key!r} varies per layer ({value}); not supported")
+            value = value[0]
+        return value
+
+    @functools.cached_property
+    def config(self) -> dict[str, Any]:
+        """HF-style config built from ``{arch}.*`` keys by the architecture's map.
+
+        Raises:
+            UnknownArchitectureError: no map for the file's architecture.
+            CheckpointError: a key llama.cpp requires is absent, or RoPE scaling is set.
+        """
+        arch, m = self.architecture, self._map
+        config: dict[str, Any] = {"model_type": m.model_type, **m.constants}
+        for key in m.keys:
+            full = f"{arch}.{key.gguf_key}"
+            value = self._scalar(full)
+            if value is None:
+                if key.default is REQUIRED:
+                    raise CheckpointError(str(self.path), f"missing required metadata key {full!r} (for config {key.hf_key!r})")
+                value = call_default(key.default, config)
+            config[key.hf_key] = value
+        scaling = self._value(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise CheckpointError(str(self.path), f"RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
+        # llama.cpp sizes token_embd by the vocabulary (tokenizer.ggml.tokens); files without
+        # one (e.g. converted without a vocab) fall back to {arch}.vocab_size, then the rows.
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            config["vocab_size"] = len(tokens.data)
+        elif self._value(f"{arch}.vocab_size") is not None:
+            config["vocab_size"] = self._value(f"{arch}.vocab_size")
+        elif "token_embd.weight" in self._raw:
+            config["vocab_size"] = int(self._raw["token_embd.weight"].shape[-1])
+        config["tie_word_embeddings"] = "output.weight" not in self._raw
+        for flag, base in m.bias_flags.items():
+            config[flag] = any(f"blk.{i}.{base}.bias" in self._raw for i in range(config["num_hidden_layers"]))
+        config.update(self._special_ids())
+        return config
+
+    def _special_ids(self) -> dict[str, int]:
+        ids = {}
+        for hf_key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            value = self._value(gguf_key)
+            if value is not None:
+                ids[hf_key] = int(value)
+        return ids
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """``bos_token_id``/``eos_token_id`` from ``tokenizer.ggml.*`` (those present)."""
+        return self._special_ids()
+
+    # --- tensors ------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _canonical(self) -> dict[str, tuple[ReaderTensor, str]]:
+        """HF name → (GGUF tensor, GGUF base name after ``blk.N.`` or the global base name)."""
+        m, out = self._map, {}
+        for t in self._reader.tensors:
+            if block := _BLOCK_TENSOR.fullmatch(t.name):
+                layer, base, kind = block.groups()
+                hf = m.block_tensors.get(base)
+                name = f"model.layers.{layer}.{hf}.{kind}"
+            elif glob := _GLOBAL_TENSOR.fullmatch(t.name):
+                base, kind = glob.groups()
+                hf = m.global_tensors.get(base)
+                name = f"{hf}.{kind}"
+            else:
+                hf = None
+            if hf is None:
+                known = ", ".join([*m.global_tensors, *(f"blk.N.{b}" for b in m.block_tensors)])
+                raise TensorError(
+                    str(self.path), t.name, f"no HF name in the {self.architecture!r} tensor map (mapped: {known}; .weight/.bias)"
+                )
+            out[name] = (t, base)
+        return out
+
+    def _lookup(self, name: str) -> tuple[ReaderTensor, str]:
+        try:
+            return self._canonical[name]
+        except KeyError:
+            raise TensorError(str(self.path), name, "not in the checkpoint") from None
+
+    def tensor_names(self) -> list[str]:
+        return list(self._canonical)
+
+    def file_of(self, name: str) -> Path:
+        self._lookup(name)
+        return self.path
+
+    def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
+        t, _ = self._lookup(name)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
+        return shape, GGUF_FORMATS.get(t.tensor_type, t.tensor_type.name.lower())
+
+    def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
+        t, base = self._lookup(name)
+        shape, fmt = self.tensor_shape_format(name)
+        if fmt not in GGUF_FORMATS.values():
+            raise TensorError(
+                str(self.path), name,
+                f"stored as GGUF type {t.tensor_type.name} (GGUF {t.name!r}); supported types: "
+                f"{', '.join(k.name for k in GGUF_FORMATS)}",
+            )  # fmt: skip
+        data = torch.from_numpy(t.data)  # shares the copy-on-write mapping
+        weight: torch.Tensor | QuantizedTensor
+        if fmt in BLOCK_LAYOUTS:
+            if len(shape) != 2:
+                raise TensorError(str(self.path), name, f"{fmt} tensor of shape {list(shape)}; zllm keeps 2-D quantized weights only")
+            weight = QuantizedTensor(data, fmt, shape)  # data: uint8 [rows, bytes per row]
+        else:
+            if fmt == "bf16":
+                data = data.view(torch.bfloat16)  # the reader gives BF16 as uint8 [..., 2 * cols]
+            weight = data
+            assert tuple(weight.shape) == shape, (name, tuple(weight.shape), shape)
+        heads_key = self._map.rope_rows.get(base)
+        if heads_key is not None and self._map.rope_layout == ROPE_ADJACENT_PAIR:
+            n_head = self.config[heads_key]
+            if shape[0] % n_head or (shape[0] // n_head) % 2:
+                raise TensorError(str(self.path), name, f"{shape[0]} rows do not split into {n_head} heads of even size")
+            index = undo_adjacent_pair_rows(shape[0], n_head)
+            weight = weight.rows(index) if isinstance(weight, QuantizedTensor) else weight[index]
+        return weight
+
+    def load_tokenizer(self) -> Any:
+        if "tokenizer.ggml.model" not in self._reader.fields:
+            raise CheckpointError(str(self.path), "no tokenizer: the file has no 'tokenizer.ggml.model' metadata")
+        from zllm.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf_metadata(self.metadata, str(self.path))

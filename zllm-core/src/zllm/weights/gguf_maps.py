@@ -1,0 +1,133 @@
+"""Declarative per-architecture maps from GGUF to zllm's canonical (Hugging Face) view.
+
+For each GGUF ``general.architecture`` this module states, as data:
+
+- how to build an HF-style ``config.json`` dict from the GGUF key/values, with the default
+  llama.cpp uses when a key is absent;
+- the GGUF tensor name → HF tensor name map;
+- the RoPE row layout of the Q and K projections, so the weights layer can restore the HF
+  half-rotation row order.
+
+Sources (llama.cpp, ggml-org/llama.cpp):
+
+- key names: ``gguf-py/gguf/constants.py`` (``Keys.LLM``, ``Keys.Attention``, ``Keys.Rope``);
+- defaults: ``src/llama-model.cpp`` ``llama_model::load_hparams`` — ``n_head_kv`` defaults to
+  ``n_head``; ``n_embd_head_k`` defaults to ``n_embd / n_head``; ``rope_freq_base_train``
+  defaults to 10000; context length, embedding length, feed-forward length, block count,
+  head count and (for llama) the RMS-norm epsilon are required;
+- tensor names: ``gguf-py/gguf/constants.py`` ``TENSOR_NAMES`` / ``MODEL_TENSORS[LLAMA]`` and
+  ``gguf-py/gguf/tensor_mapping.py`` (HF names per GGUF tensor);
+- ``output.weight`` absent means tied embeddings: ``llama-model.cpp`` creates ``output`` with
+  ``TENSOR_NOT_REQUIRED`` and falls back to ``token_embd`` (``TENSOR_DUPLICATED``);
+- Q/K row order: ``convert_hf_to_gguf.py`` ``LlamaModel.permute`` (see :data:`ROPE_ADJACENT_PAIR`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+# The map may need a value that llama.cpp requires: no default, absence is an error.
+REQUIRED = object()
+
+# RoPE row layouts of the Q/K projection weights in a GGUF file.
+# HF (half-rotation, "NeoX" style): within each head, rotation pair i is rows (i, i + D/2).
+# GGUF for llama-type RoPE (Meta's original, adjacent pairs): pair i is rows (2i, 2i + 1).
+# convert_hf_to_gguf.py LlamaModel.permute turns HF into GGUF:
+#     w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+# (K uses head_count_kv when it differs from head_count). The loader applies the inverse.
+ROPE_ADJACENT_PAIR = "adjacent_pair"
+ROPE_HALF_ROTATION = "half_rotation"  # already HF order: nothing to undo
+
+
+@attrs.frozen
+class ConfigKey:
+    """One HF config entry read from the GGUF key ``{arch}.{gguf_key}``.
+
+    ``default`` is a constant, :data:`REQUIRED`, or a function of the config entries built so
+    far (entries are built in declaration order).
+    """
+
+    hf_key: str
+    gguf_key: str
+    default: Any = REQUIRED
+
+
+@attrs.frozen
+class GGUFArchMap:
+    """Everything the weights layer needs to present one GGUF architecture in HF terms.
+
+    Attributes:
+        model_type: the HF ``config["model_type"]`` of this architecture.
+        constants: config entries fixed by the architecture (not stored in GGUF).
+        keys: config entries read from ``{arch}.*`` keys.
+        global_tensors: GGUF tensor base name (no ``.weight``/``.bias``) → HF base name.
+        block_tensors: GGUF per-block base name (after ``blk.N.``) → HF name after
+            ``model.layers.N.``.
+        bias_flags: HF config flag → GGUF per-block tensor whose ``.bias`` presence sets it.
+        rope_layout: row layout of Q/K in the file (:data:`ROPE_ADJACENT_PAIR` or
+            :data:`ROPE_HALF_ROTATION`).
+        rope_rows: GGUF per-block base name → HF config key holding that tensor's head count,
+            for the tensors whose rows follow ``rope_layout``.
+    """
+
+    model_type: str
+    constants: dict[str, Any]
+    keys: tuple[ConfigKey, ...]
+    global_tensors: dict[str, str]
+    block_tensors: dict[str, str]
+    bias_flags: dict[str, str]
+    rope_layout: str
+    rope_rows: dict[str, str]
+
+
+def _heads(config: dict[str, Any]) -> int:
+    return config["num_attention_heads"]
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return config["hidden_size"] // config["num_attention_heads"]
+
+
+LLAMA = GGUFArchMap(
+    model_type="llama",
+    constants={"hidden_act": "silu"},
+    keys=(
+        ConfigKey("max_position_embeddings", "context_length"),
+        ConfigKey("hidden_size", "embedding_length"),
+        ConfigKey("intermediate_size", "feed_forward_length"),
+        ConfigKey("num_hidden_layers", "block_count"),
+        ConfigKey("num_attention_heads", "attention.head_count"),
+        ConfigKey("num_key_value_heads", "attention.head_count_kv", _heads),
+        ConfigKey("head_dim", "attention.key_length", _head_dim),
+        ConfigKey("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
+        ConfigKey("rope_theta", "rope.freq_base", 10000.0),
+    ),
+    global_tensors={
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    },
+    block_tensors={
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    bias_flags={"attention_bias": "attn_q", "mlp_bias": "ffn_up"},
+    rope_layout=ROPE_ADJACENT_PAIR,
+    rope_rows={"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"},
+)
+
+ARCH_MAPS: dict[str, GGUFArchMap] = {"llama": LLAMA}
+
+
+def call_default(default: Any, config: dict[str, Any]) -> Any:
+    """The default value of a :class:`ConfigKey` given the entries built so far."""
+    return default(config) if callable(default) else default

@@ -1,0 +1,237 @@
+"""HF checkpoints: a directory with ``config.json`` and safetensors weights (single or sharded).
+
+Safetensors layout (https://github.com/huggingface/safetensors, "Format"): an 8-byte
+little-endian header length ``N``, ``N`` bytes of JSON ``{name: {dtype, shape,
+data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data buffer; offsets are
+relative to the buffer start ``8 + N``. The header is parsed here, at open time, to catch
+truncated and corrupt files before any tensor is used; tensor data then comes from
+``safetensors.safe_open(framework="pt")``, which (safetensors >= 0.4) maps the whole file
+copy-on-write with ``torch.UntypedStorage.from_file(shared=False)`` and returns views of
+that mapping — no second copy in RAM (``tests/weights`` checks the data pointers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors import safe_open
+
+from zllm.spec.errors import CheckpointError, TensorError
+from zllm.weights.checkpoint import Checkpoint
+from zllm.weights.formats import QuantizedTensor
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+# safetensors dtype name → zllm format; other stored dtypes are rejected when used.
+SAFETENSORS_FORMATS: dict[str, str] = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+# Element sizes, to check each tensor's byte span against its shape.
+SAFETENSORS_ITEM_BYTES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+
+@attrs.frozen
+class _Entry:
+    """Where one tensor lives: ``file``, safetensors ``dtype`` name and ``shape``."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(file: Path) -> dict[str, _Entry]:
+    """Parse and check the header of safetensors ``file``: tensor name → entry, in header order.
+
+    Raises:
+        CheckpointError: the file is shorter than its header promises (naming both byte
+            counts) or the header is not valid safetensors JSON.
+    """
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(str(file), f"truncated: {size} bytes, shorter than the 8-byte safetensors header length")
+        header_bytes = int.from_bytes(head, "little")
+        if 8 + header_bytes > size:
+            raise CheckpointError(str(file), f"truncated: the header promises {8 + header_bytes} bytes, the file has {size} bytes")
+        raw = f.read(header_bytes)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(str(file), f"corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(str(file), "corrupt safetensors header: not a JSON object")
+    entries: dict[str, _Entry] = {}
+    data_end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(str(file), f"corrupt safetensors header entry for {name!r}: {info!r} ({e})") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        item = SAFETENSORS_ITEM_BYTES.get(dtype)
+        if not 0 <= begin <= end or (item is not None and end - begin != numel * item):
+            raise CheckpointError(
+                str(file), f"corrupt safetensors header: tensor {name!r} {dtype}{list(shape)} has data_offsets [{begin}, {end}]"
+            )
+        entries[name] = _Entry(file, dtype, shape)
+        data_end = max(data_end, end)
+    promised = 8 + header_bytes + data_end
+    if promised > size:
+        raise CheckpointError(str(file), f"truncated: the header promises {promised} bytes, the file has {size} bytes")
+    return entries
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(str(file), f"cannot read JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(str(file), f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+class HFCheckpoint(Checkpoint):
+    """An HF checkpoint directory. See :func:`zllm.weights.open_checkpoint` for the errors at open."""
+
+    format = "hf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        config_file = path / CONFIG_FILE
+        if not config_file.is_file():
+            raise CheckpointError(
+                str(path),
+                f"not a checkpoint directory: no {CONFIG_FILE} (expected {CONFIG_FILE} plus {SINGLE_FILE} "
+                f"or {INDEX_FILE} with its shards, or pass a .gguf file)",
+            )
+        self._config = _read_json(config_file)
+        gen_file = path / GENERATION_CONFIG_FILE
+        self._generation_config = _read_json(gen_file) if gen_file.is_file() else None
+
+        self._index: Path | None = None
+        if (path / SINGLE_FILE).is_file():
+            shards = [path / SINGLE_FILE]
+            self._entries = read_safetensors_header(shards[0])
+        elif (path / INDEX_FILE).is_file():
+            self._index = path / INDEX_FILE
+            shards, self._entries = self._read_index(self._index)
+        else:
+            found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+            hint = f"; found {', '.join(found)} (zllm reads safetensors; a .gguf file is opened by its own path)" if found else ""
+            raise CheckpointError(str(path), f"no weights: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+        self._shards = shards
+        # One copy-on-write mapping per shard, opened now so safetensors' own validation runs
+        # at open time too.
+        self._handles: dict[Path, Any] = {}
+        for shard in shards:
+            try:
+                self._handles[shard] = safe_open(str(shard), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError and OSError
+                raise CheckpointError(str(shard), f"cannot open safetensors file: {e}") from e
+
+    def _read_index(self, index: Path) -> tuple[list[Path], dict[str, _Entry]]:
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(str(index), "no 'weight_map' object (tensor name → shard file)")
+        shards: list[Path] = []
+        for shard_name in dict.fromkeys(weight_map.values()):
+            shard = self.path / str(shard_name)
+            if not shard.is_file():
+                raise CheckpointError(str(shard), f"missing: shard named in {index.name} does not exist")
+            shards.append(shard)
+        headers = {shard: read_safetensors_header(shard) for shard in shards}
+        entries: dict[str, _Entry] = {}
+        for name, shard_name in weight_map.items():
+            shard = self.path / str(shard_name)
+            if name not in headers[shard]:
+                raise TensorError(str(shard), name, f"listed in {index.name} but absent from the shard")
+            entries[name] = headers[shard][name]
+        for shard, header in headers.items():
+            unlisted = [n for n in header if n not in entries or entries[n].file != shard]
+            if unlisted:
+                raise TensorError(str(shard), unlisted[0], f"in the shard but not mapped to it by {index.name}")
+        return shards, entries
+
+    @property
+    def files(self) -> list[Path]:
+        names = [CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
+        files = [self.path / n for n in names if (self.path / n).is_file()]
+        if self._index is not None:
+            files.append(self._index)
+        return files + list(self._shards)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._config
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """``generation_config.json``; without one, ``bos_token_id``/``eos_token_id`` from the
+        config, as transformers' ``GenerationConfig.from_model_config`` does."""
+        if self._generation_config is not None:
+            return self._generation_config
+        return {k: self._config[k] for k in ("bos_token_id", "eos_token_id") if self._config.get(k) is not None}
+
+    @property
+    def architecture(self) -> str:
+        model_type = self._config.get("model_type")
+        if not isinstance(model_type, str):
+            raise CheckpointError(str(self.path / CONFIG_FILE), "no 'model_type' string")
+        return model_type
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise TensorError(str(self.path), name, "not in the checkpoint") from None
+
+    def tensor_names(self) -> list[str]:
+        return list(self._entries)
+
+    def file_of(self, name: str) -> Path:
+        return self._entry(name).file
+
+    def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
+        entry = self._entry(name)
+        return entry.shape, SAFETENSORS_FORMATS.get(entry.dtype, entry.dtype.lower())
+
+    def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
+        entry = self._entry(name)
+        if entry.dtype not in SAFETENSORS_FORMATS:
+            raise TensorError(
+                str(entry.file), name, f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)}"
+            )
+        return self._handles[entry.file].get_tensor(name)
+
+    def load_tokenizer(self) -> Any:
+        from zllm.tokenizer import Tokenizer
+
+        tokenizer_json = self.path / TOKENIZER_FILE
+        if not tokenizer_json.is_file():
+            raise CheckpointError(str(self.path), f"no tokenizer: expected {TOKENIZER_FILE}")
+        tokenizer_config_file = self.path / TOKENIZER_CONFIG_FILE
+        tokenizer_config = _read_json(tokenizer_config_file) if tokenizer_config_file.is_file() else None
+        return Tokenizer.from_hf_files(tokenizer_json, tokenizer_config, self.generation_config or None)

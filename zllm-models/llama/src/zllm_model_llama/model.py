@@ -1,0 +1,94 @@
+"""The llama forward pass, top to bottom (after gpt-fast's ``model.py``).
+
+Dimension legend: T tokens in the batch, S' rows that need logits, H query heads, Hkv KV
+heads, D head dim, C hidden size, F FFN size, V vocabulary.
+Every op goes through ``ops`` (the backend's bound kernels); this file names no backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from zllm.plugin_api import AttentionMetadata, KVCacheShape, default_inv_freq, rope_cos_sin
+from zllm_model_llama.spec import LlamaSpec
+
+
+@attrs.frozen
+class LlamaLayer:
+    """The weights of one decoder layer (biases are None unless the config has them)."""
+
+    attn_norm: Any
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    mlp_norm: Any
+    gate: Any
+    up: Any
+    down: Any
+    q_bias: Any = None
+    k_bias: Any = None
+    v_bias: Any = None
+    o_bias: Any = None
+    gate_bias: Any = None
+    up_bias: Any = None
+    down_bias: Any = None
+
+    @classmethod
+    def from_weights(cls, w: dict[str, Any], i: int) -> "LlamaLayer":
+        p = f"model.layers.{i}."
+        proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+        fields = {k: w[p + n + ".weight"] for k, n in proj.items()}
+        fields |= {k + "_bias": w.get(p + n + ".bias") for k, n in proj.items()}
+        return cls(attn_norm=w[p + "input_layernorm.weight"], mlp_norm=w[p + "post_attention_layernorm.weight"], **fields)
+
+
+class LlamaModel:
+    """A runnable llama model over bound kernels ``ops``."""
+
+    def __init__(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any):
+        self.spec, self.ops = spec, ops
+        self.vocab_size = spec.vocab_size
+        self.context_length = spec.context_length
+        self.kv_shape = KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers = [LlamaLayer.from_weights(weights, i) for i in range(spec.num_layers)]
+        self.inv_freq = default_inv_freq(spec.head_dim, spec.rope_theta)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
+        ops, eps = self.ops, self.spec.rms_norm_eps
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device))  # [T, D/2] each
+        x = ops.embedding(self.embed, token_ids)  # [T, C]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = x + self.attention(layer, ops.rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv_cache)
+            x = x + self.mlp(layer, ops.rms_norm(x, layer.mlp_norm, eps))
+        x = ops.rms_norm(x[logits_indices], self.norm, eps)  # [S', C]
+        return ops.linear(x, self.lm_head)  # [S', V]
+
+    def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        ops, s = self.ops, self.spec
+        T = x.shape[0]
+        q = ops.rope(ops.linear(x, layer.q, layer.q_bias).view(T, s.num_heads, s.head_dim), cos, sin)  # [T, H, D]
+        k = ops.rope(ops.linear(x, layer.k, layer.k_bias).view(T, s.num_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, D]
+        v = ops.linear(x, layer.v, layer.v_bias).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        out = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
+        return ops.linear(out.reshape(T, s.q_size), layer.o, layer.o_bias)  # [T, C]
+
+    def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        hidden = ops.silu_mul(ops.linear(x, layer.gate, layer.gate_bias), ops.linear(x, layer.up, layer.up_bias))  # [T, F]
+        return ops.linear(hidden, layer.down, layer.down_bias)  # [T, C]
