@@ -76,5 +76,6 @@ def cmd_card(args: argparse.Namespace) -> int:
 def cmd_compat(args: argparse.Namespace) -> int:
     from zllm.compat import compute_matrix, render
 
-    sys.stdout.write(render(compute_matrix(_host()), args.format))
+    verified = Path(args.verified) if args.verified else None
+    sys.stdout.write(render(compute_matrix(_host(), verified), args.format))
     return 0

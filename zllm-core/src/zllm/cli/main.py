@@ -59,6 +59,12 @@ def _add_card(sub) -> None:
 def _add_compat(sub) -> None:
     p = sub.add_parser("compat", help="print the families x backends x formats compatibility matrix")
     p.add_argument("--format", choices=("text", "md", "json"), default="text")
+    p.add_argument(
+        "--verified",
+        metavar="PATH",
+        help="TOML file naming the tests behind verified cells (default: the nearest "
+        "compat/verified.toml in the current directory or a parent)",
+    )
     p.set_defaults(func=_cmd("zllm.cli.info:cmd_compat"))
 
 

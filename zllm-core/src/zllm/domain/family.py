@@ -94,6 +94,15 @@ class ModelFamily(Protocol):
         """Capabilities this spec needs given each tensor's format (canonical name -> format)."""
         ...
 
+    def format_capabilities(self, fmt: str) -> frozenset[Capability]:
+        """Capabilities any model of this family needs when every weight is stored in ``fmt``.
+
+        ``fmt`` is a weight format name (``f32``, ``q8_0`` ...). Needs no config: it is what
+        ``zllm compat`` checks each backend against, so it must come from the same code as
+        :meth:`required_capabilities`.
+        """
+        ...
+
     def tensor_specs(self, spec: Any) -> dict[str, TensorSpec]:
         """Every tensor the model reads, by canonical (HF) name."""
         ...

@@ -112,6 +112,11 @@ class Engine:
                     self.llm.abort(seq)
                 self._queues.pop(seq.seq_id, None)
 
+    def prompt_logits(self, prompt_ids: list[int]):
+        """f32 ``[P, V]`` logits at every position of ``prompt_ids`` (for scoring and parity tests)."""
+        with self._lock:
+            return self.llm.prompt_logits(list(prompt_ids))
+
     def generate_stream(self, request: dict[str, Any] | GenerationRequest) -> Iterator[dict[str, Any]]:
         """Stream events: one per step that produced output (``text`` delta and
         ``token_ids``), then a final event with ``finish_reason`` and ``usage``.

@@ -110,6 +110,18 @@ class LLMEngine:
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
 
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """f32 ``[P, V]`` logits at every prompt position (one New Prefill; vLLM's
+        ``prompt_logprobs``). Runs outside the scheduler and frees its KV at once.
+
+        Raises:
+            ContextLengthError: the prompt is longer than the context window.
+            OutOfKVBlocks: the KV cache cannot hold the prompt right now.
+        """
+        if len(prompt_ids) > self.context_length:
+            raise ContextLengthError(len(prompt_ids), self.context_length)
+        return self.runner.prompt_logits(prompt_ids)
+
     def _accept(self, seq: Sequence, token: int) -> StepOutput:
         if token in seq.stop_token_ids:
             return self._finish(seq, "stop", "", ())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
-from zllm.runtime.kv_cache import PagedKVCache
+from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.scheduler import ScheduledStep
 from zllm.runtime.sequence import Sequence
 
@@ -58,6 +58,26 @@ class ModelRunner:
                 return []
             tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
         return list(zip(sampling, tokens.tolist()))
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """f32 ``[P, V]`` logits for every prompt position, through a throwaway KV handle."""
+        seq_kv = SeqKV()
+        try:
+            slots = self.kv.append(seq_kv, len(prompt_ids))
+            n = len(prompt_ids)
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                block_tables=self.kv.block_table([seq_kv], self.device),
+                query_lens=(n,), context_lens=(n,), scale=self.scale,
+            )
+            with torch.inference_mode():
+                return self.model.forward(
+                    torch.tensor(prompt_ids, dtype=torch.int64, device=self.device),
+                    torch.arange(n, dtype=torch.int64, device=self.device),
+                    meta, self.kv.layers, torch.arange(n, device=self.device),
+                )
+        finally:
+            self.kv.free(seq_kv)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         r = seq.request

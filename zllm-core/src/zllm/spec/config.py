@@ -50,6 +50,8 @@ from cattrs.gen import make_dict_structure_fn
 from zllm.spec.errors import ConfigError
 from zllm.spec.migrations import SCHEMA_VERSION, load_yaml_text, migrate
 
+log = logging.getLogger(__name__)
+
 # ---------------------------------------------------------------------------------------
 # Value rules, shared by the config and by zllm.spec.request
 # ---------------------------------------------------------------------------------------
@@ -68,7 +70,9 @@ class Check:
 
     def describe_failure(self, value: Any) -> str:
         """``"expected <expect>, got <value>"``, the value's repr cut to about 60 characters."""
-        return f"expected {self.expect}, got {_short_repr(value)}"
+        # Converters have already turned lists into tuples; show what the user wrote.
+        shown = list(value) if isinstance(value, tuple) else value
+        return f"expected {self.expect}, got {_short_repr(shown)}"
 
 
 def _is_int(v: Any) -> bool:
@@ -92,9 +96,6 @@ def _is_list_of(v: Any, item_ok: Callable[[Any], bool], max_len: int | None = No
 
 def _one_of(*choices: str) -> Check:
     return Check(f"one of {', '.join(map(repr, choices))}", lambda v: isinstance(v, str) and v in choices)
-
-
-log = logging.getLogger(__name__)
 
 
 def _make_short_repr() -> Callable[[Any], str]:
@@ -422,7 +423,7 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None) -> Z
     """
     if not isinstance(data, Mapping):
         raise ConfigError("", f"expected a mapping of config sections, got {_short_repr(data)}")
-    migrated, changes = migrate(_deep_copy(data))
+    migrated, changes = migrate(_plain_copy(data))
     if changes:
         # Info, not warning: a dict without schema_version (common from Python) only gets stamped.
         log.info(
@@ -433,13 +434,17 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None) -> Z
     return attrs.evolve(cfg, model=_resolve_model(cfg.model, base_dir or Path.cwd()))
 
 
-def _deep_copy(data: Any) -> Any:
-    # Migrations edit in place; the caller's mapping must survive. copy.deepcopy would do,
-    # but it also copies ruamel's comment bookkeeping, which nothing here reads.
+def _plain_copy(data: Any) -> Any:
+    # Migrations edit in place, and the caller's mapping must survive. The copy is also made
+    # of plain Python types: ruamel's round-trip loader returns str/float/int subclasses
+    # that carry formatting, and those must not leak into the frozen config.
     if isinstance(data, Mapping):
-        return {k: _deep_copy(v) for k, v in data.items()}
+        return {_plain_copy(k): _plain_copy(v) for k, v in data.items()}
     if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
+        return [_plain_copy(v) for v in data]
+    for plain in (bool, int, float, str):
+        if isinstance(data, plain):
+            return plain(data)
     return data
 
 

@@ -172,7 +172,9 @@ def _sampling_becomes_generation(data: MutableMapping[str, Any]) -> list[str]:
     model = data.get("model")
     if isinstance(model, MutableMapping) and "checkpoint" in model:
         if "path" in model:
-            raise ConfigError("model.checkpoint", "renamed model.path in schema_version 1, and both are set; keep model.path")
+            raise ConfigError(
+                "model.checkpoint", "renamed model.path in schema_version 1, and both are set; keep model.path"
+            )
         _rename(model, "checkpoint", "path")
         changes.append("model.checkpoint renamed model.path")
     if "sampling" not in data:

@@ -82,9 +82,13 @@ def _request_field(check: Check, default: Any = attrs.NOTHING, converter: Callab
     return attrs.field(default=default, validator=validate, converter=converter)
 
 
+REQUEST_STOP = Check(f"a non-empty string or {STOP.expect}", STOP.ok)
+
+
 def _to_stop_tuple(v: Any) -> Any:
     # OpenAI lets `stop` be one string or a list; normalise so the runtime sees one shape.
-    return (v,) if isinstance(v, str) else to_tuple(v)
+    # An empty string stays as it is, so the error shows what the client sent.
+    return (v,) if isinstance(v, str) and v else to_tuple(v)
 
 
 @attrs.frozen(kw_only=True)
@@ -111,7 +115,7 @@ class GenerationRequest:
     presence_penalty: float = _request_field(OPENAI_PENALTY, converter=to_float)
     frequency_penalty: float = _request_field(OPENAI_PENALTY, converter=to_float)
     seed: int | None = _request_field(SEED)
-    stop: tuple[str, ...] = _request_field(STOP, converter=_to_stop_tuple)
+    stop: tuple[str, ...] = _request_field(REQUEST_STOP, converter=_to_stop_tuple)
     stop_token_ids: tuple[int, ...] = _request_field(TOKEN_IDS, converter=to_tuple)
     add_bos: bool | None = _request_field(OPTIONAL_BOOL)
 

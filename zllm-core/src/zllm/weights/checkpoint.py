@@ -61,16 +61,22 @@ class Checkpoint(abc.ABC):
         """Canonical (HF) names of every tensor in the checkpoint, in file order."""
 
     @abc.abstractmethod
-    def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
-        """Logical shape and format of tensor ``name``, without reading data.
-
-        The shape of a block-quantized tensor is its dequantized ``(rows, cols)``. The format
-        is a zllm format name (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``) or, for a stored
-        type zllm does not support, that type's lower-case name (``q4_k``, ``i64`` …), which
-        :meth:`tensor` refuses.
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Logical shape of tensor ``name`` (a block-quantized tensor's dequantized
+        ``(rows, cols)``), for any stored type, without reading data.
 
         Raises:
             TensorError: no tensor ``name`` in the checkpoint.
+        """
+
+    @abc.abstractmethod
+    def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
+        """Logical shape (as :meth:`tensor_shape`) and zllm format (``f32``, ``f16``, ``bf16``,
+        ``q8_0``, ``q4_0``) of tensor ``name``, without reading data.
+
+        Raises:
+            TensorError: no tensor ``name`` in the checkpoint, or it is stored in a type zllm
+                does not support (the message names the stored type and the supported ones).
         """
 
     @abc.abstractmethod
@@ -82,8 +88,7 @@ class Checkpoint(abc.ABC):
         Writing to a returned tensor never changes the file (mappings are copy-on-write).
 
         Raises:
-            TensorError: no tensor ``name`` in the checkpoint, or it is stored in a type zllm
-                does not support (the message names the type and the supported types).
+            TensorError: as :meth:`tensor_shape_format`.
         """
 
     @abc.abstractmethod

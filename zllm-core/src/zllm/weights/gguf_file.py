@@ -183,17 +183,16 @@ class GGUFCheckpoint(Checkpoint):
         """HF name → (GGUF tensor, GGUF base name after ``blk.N.`` or the global base name)."""
         m, out = self._map, {}
         for t in self._reader.tensors:
+            name = base = None
             if block := _BLOCK_TENSOR.fullmatch(t.name):
                 layer, base, kind = block.groups()
-                hf = m.block_tensors.get(base)
-                name = f"model.layers.{layer}.{hf}.{kind}"
+                if base in m.block_tensors:
+                    name = f"model.layers.{layer}.{m.block_tensors[base]}.{kind}"
             elif glob := _GLOBAL_TENSOR.fullmatch(t.name):
                 base, kind = glob.groups()
-                hf = m.global_tensors.get(base)
-                name = f"{hf}.{kind}"
-            else:
-                hf = None
-            if hf is None:
+                if base in m.global_tensors:
+                    name = f"{m.global_tensors[base]}.{kind}"
+            if name is None:
                 known = ", ".join([*m.global_tensors, *(f"blk.N.{b}" for b in m.block_tensors)])
                 raise TensorError(
                     str(self.path), t.name, f"no HF name in the {self.architecture!r} tensor map (mapped: {known}; .weight/.bias)"
@@ -214,20 +213,24 @@ class GGUFCheckpoint(Checkpoint):
         self._lookup(name)
         return self.path
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        t, _ = self._lookup(name)
+        return tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
+
     def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
         t, _ = self._lookup(name)
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
-        return shape, GGUF_FORMATS.get(t.tensor_type, t.tensor_type.name.lower())
+        fmt = GGUF_FORMATS.get(t.tensor_type)
+        if fmt is None:
+            raise TensorError(
+                str(self.path), name,
+                f"stored as GGUF type {t.tensor_type.name} (GGUF tensor {t.name!r}); supported types: "
+                f"{', '.join(k.name for k in GGUF_FORMATS)}",
+            )  # fmt: skip
+        return self.tensor_shape(name), fmt
 
     def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
         t, base = self._lookup(name)
         shape, fmt = self.tensor_shape_format(name)
-        if fmt not in GGUF_FORMATS.values():
-            raise TensorError(
-                str(self.path), name,
-                f"stored as GGUF type {t.tensor_type.name} (GGUF {t.name!r}); supported types: "
-                f"{', '.join(k.name for k in GGUF_FORMATS)}",
-            )  # fmt: skip
         data = torch.from_numpy(t.data)  # shares the copy-on-write mapping
         weight: torch.Tensor | QuantizedTensor
         if fmt in BLOCK_LAYOUTS:

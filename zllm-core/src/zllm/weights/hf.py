@@ -214,17 +214,21 @@ class HFCheckpoint(Checkpoint):
     def file_of(self, name: str) -> Path:
         return self._entry(name).file
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
     def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
         entry = self._entry(name)
-        return entry.shape, SAFETENSORS_FORMATS.get(entry.dtype, entry.dtype.lower())
-
-    def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
-        entry = self._entry(name)
-        if entry.dtype not in SAFETENSORS_FORMATS:
+        fmt = SAFETENSORS_FORMATS.get(entry.dtype)
+        if fmt is None:
             raise TensorError(
                 str(entry.file), name, f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)}"
             )
-        return self._handles[entry.file].get_tensor(name)
+        return entry.shape, fmt
+
+    def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
+        self.tensor_shape_format(name)  # refuses unsupported dtypes
+        return self._handles[self._entry(name).file].get_tensor(name)
 
     def load_tokenizer(self) -> Any:
         from zllm.tokenizer import Tokenizer

@@ -49,12 +49,24 @@ class LlamaFamily:
         embed_fmt = weight_formats["model.embed_tokens.weight"]
         head_fmt = weight_formats.get("lm_head.weight", embed_fmt) if not spec.tie_word_embeddings else embed_fmt
         linear_fmts = {fmt for name, fmt in weight_formats.items() if name.endswith("_proj.weight")} | {head_fmt}
-        return frozenset(
-            {Capability("embedding", embed_fmt)}
-            | {Capability("linear", fmt) for fmt in linear_fmts}
-            | {Capability("rms_norm", "f32"), Capability("rope", "neox"), Capability("attention", "paged"),
-               Capability("silu_mul", "f32"), Capability("sample", "f32")}
-        )
+        return _capabilities(embed_fmt, linear_fmts)
+
+    def format_capabilities(self, fmt: str) -> frozenset[Capability]:
+        # Every llama needs the same ops whatever its size, so a checkpoint whose weights
+        # are all stored in ``fmt`` needs exactly this set (used by ``zllm compat``).
+        return _capabilities(fmt, {fmt})
 
     def build(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any) -> LlamaModel:
         return LlamaModel(spec, weights, ops)
+
+
+def _capabilities(embed_fmt: str, linear_fmts: set[str]) -> frozenset[Capability]:
+    """The one place that lists what a llama needs: the weight ops in their formats plus the
+    fixed math ops. Shared by ``required_capabilities`` and ``format_capabilities`` so the
+    compatibility matrix and the load-time check cannot disagree."""
+    return frozenset(
+        {Capability("embedding", embed_fmt)}
+        | {Capability("linear", fmt) for fmt in linear_fmts}
+        | {Capability("rms_norm", "f32"), Capability("rope", "neox"), Capability("attention", "paged"),
+           Capability("silu_mul", "f32"), Capability("sample", "f32")}
+    )

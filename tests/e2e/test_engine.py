@@ -1,0 +1,158 @@
+"""zllm.Engine behaviour on the shipped model: streaming, stop rules, prefix reuse,
+chunked prefill, interleaved sequences, sampling and context limits."""
+
+from __future__ import annotations
+
+import pytest
+
+import zllm
+from tests.conftest import CONFIGS, MODEL_DIR, REFERENCE_TEXT, write_config
+from zllm.spec.errors import ContextLengthError, RequestError
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return zllm.Engine.from_config(CONFIGS / "stories260k-hf.yaml")
+
+
+def _engine(tmp_path, **runtime):
+    return zllm.Engine.from_config(write_config(tmp_path, MODEL_DIR / "hf", runtime=runtime))
+
+
+def _stream(engine, request):
+    events = list(engine.generate_stream(request))
+    final = events[-1]
+    deltas = events[:-1]
+    assert "finish_reason" in final and all("finish_reason" not in e for e in deltas)
+    return "".join(e["text"] for e in deltas), [t for e in deltas for t in e["token_ids"]], final
+
+
+@pytest.mark.parametrize("request_", [
+    {"prompt": "", "max_tokens": 120},
+    {"prompt": "Once upon a time", "max_tokens": 80, "temperature": 0.9, "top_p": 0.9, "seed": 7},
+    {"prompt": "The dog", "max_tokens": 80, "temperature": 1.2, "top_k": 20, "min_p": 0.05, "seed": 3,
+     "stop": ["park", "."]},
+    {"prompt": "Lily", "max_tokens": 60, "repetition_penalty": 1.3, "presence_penalty": 0.5,
+     "frequency_penalty": 0.5},
+])
+def test_stream_concatenation_equals_generate_text(engine, request_):
+    full = engine.generate(request_)
+    text, token_ids, final = _stream(engine, request_)
+    assert text == full["text"]
+    assert token_ids == full["token_ids"]
+    assert final["finish_reason"] == full["finish_reason"]
+    assert final["usage"] == full["usage"]
+
+
+def test_stop_string_spanning_tokens_ends_output_before_it(engine):
+    stop = "little girl"  # several tokens in the 512-token vocabulary
+    out = engine.generate({"prompt": "", "max_tokens": 100, "stop": [stop]})
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == REFERENCE_TEXT[: REFERENCE_TEXT.index(stop)]
+    text, _, _ = _stream(engine, {"prompt": "", "max_tokens": 100, "stop": [stop]})
+    assert text == out["text"] and stop not in text
+
+
+def test_stop_string_prefix_that_never_completes_is_released(engine):
+    out = engine.generate({"prompt": "", "max_tokens": 30, "stop": ["little boy"]})
+    assert out["finish_reason"] == "length"
+    assert REFERENCE_TEXT.startswith(out["text"]) and "little" in out["text"]
+
+
+def test_stop_token_ids_from_request_end_generation(engine):
+    first = engine.generate({"prompt": "", "max_tokens": 5})["token_ids"]
+    out = engine.generate({"prompt": "", "max_tokens": 50, "stop_token_ids": [first[3]]})
+    assert out["finish_reason"] == "stop" and out["token_ids"] == first[:3]
+
+
+def test_max_tokens_reports_length(engine):
+    out = engine.generate({"prompt": "", "max_tokens": 7})
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 7
+
+
+def test_seeded_sampling_is_reproducible_and_seed_sensitive(engine):
+    req = {"prompt": "Once", "max_tokens": 40, "temperature": 1.0, "seed": 1234}
+    a, b = engine.generate(req), engine.generate(req)
+    c = engine.generate({**req, "seed": 4321})
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+
+
+def test_prompt_longer_than_context_window_names_both_lengths(engine):
+    with pytest.raises(ContextLengthError, match="600 tokens but the context window is 512"):
+        engine.generate({"prompt_token_ids": [5] * 600, "max_tokens": 4})
+
+
+def test_generation_reaching_context_window_ends_with_length(engine):
+    out = engine.generate({"prompt_token_ids": [1] + [400] * 505, "max_tokens": 50, "stop_token_ids": []})
+    assert out["finish_reason"] == "length"
+    assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] <= 512
+
+
+def test_invalid_request_field_is_named(engine):
+    with pytest.raises(RequestError, match="temperature"):
+        engine.generate({"prompt": "x", "temperature": -1})
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        engine.generate({"prompt_token_ids": [1, 99999]})
+
+
+def test_append_prefill_reuses_cached_prefix_and_matches_fresh_run(tmp_path):
+    cached = _engine(tmp_path, prefix_cache_seqs=4)
+    first = cached.generate({"prompt": "", "max_tokens": 40})
+    follow_up = [1] + first["token_ids"] + cached.tokenizer.encode(" Then", add_special_tokens=False)
+    second = cached.generate({"prompt_token_ids": follow_up, "max_tokens": 30})
+    assert second["usage"]["cached_tokens"] >= 40
+    fresh = _engine(tmp_path, prefix_cache_seqs=0).generate({"prompt_token_ids": follow_up, "max_tokens": 30})
+    assert fresh["usage"]["cached_tokens"] == 0
+    assert second["token_ids"] == fresh["token_ids"]
+
+
+def test_chunked_prefill_matches_single_prefill(tmp_path, engine):
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play"
+    chunked = _engine(tmp_path, max_prefill_tokens=3).generate({"prompt": prompt, "max_tokens": 40})
+    assert chunked["token_ids"] == engine.generate({"prompt": prompt, "max_tokens": 40})["token_ids"]
+
+
+def test_interleaved_streams_decode_in_one_round_and_match_solo_runs(tmp_path, engine):
+    both = _engine(tmp_path, max_num_seqs=4)
+    reqs = [{"prompt": "", "max_tokens": 50}, {"prompt": "The cat", "max_tokens": 30, "temperature": 0.8, "seed": 5}]
+    streams = [both.generate_stream(r) for r in reqs]
+    texts = ["", ""]
+    live = [True, True]
+    while any(live):
+        for i, s in enumerate(streams):
+            if live[i]:
+                event = next(s)
+                if "finish_reason" in event:
+                    live[i] = False
+                else:
+                    texts[i] += event["text"]
+    assert texts == [engine.generate(r)["text"] for r in reqs]
+
+
+def test_small_kv_cache_preempts_and_still_completes(tmp_path, engine):
+    # 6 blocks x 16 tokens cannot hold two ~60-token sequences at once: one is preempted,
+    # recomputed later, and both still produce what they produce alone.
+    tight = zllm.Engine.from_config(write_config(
+        tmp_path, MODEL_DIR / "hf", runtime={"kv_cache": {"num_blocks": 6, "block_size": 16}, "prefix_cache_seqs": 0}))
+    reqs = [{"prompt": "", "max_tokens": 60}, {"prompt": "The dog", "max_tokens": 60}]
+    streams = [tight.generate_stream(r) for r in reqs]
+    texts = ["", ""]
+    done = [False, False]
+    while not all(done):
+        for i, s in enumerate(streams):
+            if not done[i]:
+                event = next(s)
+                done[i] = "finish_reason" in event
+                texts[i] += event.get("text", "")
+    assert texts == [engine.generate(r)["text"] for r in reqs]
+
+
+def test_closing_a_stream_early_frees_its_kv_blocks(tmp_path):
+    eng = _engine(tmp_path, prefix_cache_seqs=0)
+    free_before = eng.llm.scheduler.kv.num_free_blocks
+    stream = eng.generate_stream({"prompt": "", "max_tokens": 100})
+    next(stream), next(stream)
+    stream.close()
+    assert eng.llm.scheduler.kv.num_free_blocks == free_before
+    assert not eng.llm.has_work()

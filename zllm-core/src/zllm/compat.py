@@ -1,0 +1,335 @@
+"""The compatibility matrix: model families x backends x weight formats, and what is true of each cell.
+
+A cell's status is the strongest claim the evidence supports:
+
+- ``verified``: ``compat/verified.toml`` names pytest node IDs that ran this family on this
+  backend with this weight format against the oracle, and the capabilities match.
+  (``tools/check_verified.py`` checks, against a junit report, that those tests ran and passed.)
+- ``kernel-verified``: the verified file marks the cell so — its kernels were checked in
+  Triton's interpreter, no device ran the model.
+- ``declared``: the backend declares every capability the family needs; nothing ran.
+- ``unsupported (missing: linear[q4_0], ...)``: the capabilities the backend lacks.
+
+Capabilities come from the same code the loader uses (the family's ``format_capabilities``
+and the backend's static ``BackendInfo.capabilities``), so the matrix cannot claim a cell
+that loading would reject. Nothing here touches a device.
+
+Where the verified file is found: ``zllm compat --verified PATH`` names it; otherwise the
+nearest ``compat/verified.toml`` found walking up from the current directory (as git
+finds ``.git``), so running from anywhere inside the repository gives the same answer and
+an installed ``zllm`` outside any checkout reports no verified cells instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from zllm.capabilities import missing_capabilities
+from zllm.plugins.hookspecs import PLUGIN_API_VERSION
+from zllm.plugins.host import PluginHost
+from zllm.spec.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+#: Matrix columns: how a checkpoint is stored -> the weight format its tensors have.
+FORMAT_AXIS: dict[str, str] = {
+    "hf-f32": "f32",
+    "hf-f16": "f16",
+    "hf-bf16": "bf16",
+    "gguf-F32": "f32",
+    "gguf-F16": "f16",
+    "gguf-BF16": "bf16",
+    "gguf-Q8_0": "q8_0",
+    "gguf-Q4_0": "q4_0",
+}
+
+#: Statuses the verified file may claim for a cell.
+CLAIMABLE = ("verified", "kernel-verified")
+
+VERIFIED_RELPATH = Path("compat") / "verified.toml"
+
+
+@attrs.frozen
+class VerifiedEntry:
+    """One ``[[cell]]`` of the verified file: tests that exercised (family, backend, format)."""
+
+    family: str
+    backend: str
+    format: str
+    status: str
+    tests: tuple[str, ...]
+
+
+@attrs.frozen
+class Cell:
+    """One (family, backend, format) cell. ``missing`` is empty unless unsupported."""
+
+    family: str
+    backend: str
+    format: str
+    weight_format: str
+    status: str
+    missing: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        if self.status == "unsupported":
+            return f"unsupported (missing: {', '.join(self.missing)})"
+        return self.status
+
+
+@attrs.frozen
+class PluginRow:
+    """An installed plugin as the matrix reports it (from :class:`~zllm.plugins.host.PluginRecord`)."""
+
+    name: str
+    distribution: str
+    version: str
+    status: str
+    api: str
+    requires_core: str
+    kind: str
+
+
+@attrs.frozen
+class CompatMatrix:
+    """Everything ``zllm compat`` prints.
+
+    Attributes:
+        core_api: the plugin API the core speaks (``"1.0"``).
+        core_version: the installed zllm-core version.
+        verified_file: the verified file as shown to users (relative to its repository), or
+            ``None`` when none was found.
+        plugins, cells: sorted rows.
+        notes: verified-file entries that could not be applied, each saying why.
+    """
+
+    core_api: str
+    core_version: str
+    verified_file: str | None
+    plugins: tuple[PluginRow, ...]
+    cells: tuple[Cell, ...]
+    notes: tuple[str, ...] = ()
+
+
+def find_verified_file(start: Path | None = None) -> Path | None:
+    """The nearest ``compat/verified.toml`` in ``start`` (default: the current directory) or a parent."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / VERIFIED_RELPATH
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_verified(path: Path) -> list[VerifiedEntry]:
+    """Parse the verified file.
+
+    Raises:
+        ConfigError: the file is not TOML or an entry is malformed; the key path names it
+            (``cell[2].format``).
+    """
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("", f"{path}: cannot read verified file: {exc}") from None
+    unknown = sorted(set(data) - {"cell"})
+    if unknown:
+        raise ConfigError(unknown[0], f"{path}: unknown top-level key; expected [[cell]] tables")
+    entries = []
+    for i, raw in enumerate(data.get("cell", [])):
+        where = f"cell[{i}]"
+        extra = sorted(set(raw) - {"family", "backend", "format", "status", "tests"})
+        if extra:
+            raise ConfigError(f"{where}.{extra[0]}", f"{path}: unknown key; expected family, backend, format, status, tests")
+        for key in ("family", "backend", "format"):
+            if not isinstance(raw.get(key), str):
+                raise ConfigError(f"{where}.{key}", f"{path}: required string")
+        if raw["format"] not in FORMAT_AXIS:
+            raise ConfigError(f"{where}.format", f"{path}: {raw['format']!r} is not one of {', '.join(FORMAT_AXIS)}")
+        status = raw.get("status", "verified")
+        if status not in CLAIMABLE:
+            raise ConfigError(f"{where}.status", f"{path}: {status!r} is not one of {', '.join(CLAIMABLE)}")
+        tests = raw.get("tests", [])
+        if not (isinstance(tests, list) and all(isinstance(t, str) and t for t in tests)):
+            raise ConfigError(f"{where}.tests", f"{path}: must be a list of pytest node IDs")
+        if status == "verified" and not tests:
+            raise ConfigError(f"{where}.tests", f"{path}: a verified cell needs at least one pytest node ID")
+        entries.append(VerifiedEntry(raw["family"], raw["backend"], raw["format"], status, tuple(tests)))
+    return entries
+
+
+def _core_version() -> str:
+    try:
+        return metadata.version("zllm-core")
+    except metadata.PackageNotFoundError:  # running from a source tree without installing
+        return "unknown"
+
+
+def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatrix:
+    """Build the matrix for every loaded family and backend of ``host``.
+
+    Args:
+        verified: the verified file; ``None`` looks it up with :func:`find_verified_file`.
+
+    Raises:
+        ConfigError: the verified file is malformed (see :func:`load_verified`).
+    """
+    if verified is not None:
+        if not verified.is_file():
+            raise ConfigError("--verified", f"{verified}: no such file")
+        path, shown = verified, str(verified)
+    else:
+        # Shown relative to the repository root so COMPATIBILITY.md does not depend on
+        # where the checkout lives.
+        path, shown = find_verified_file(), VERIFIED_RELPATH.as_posix()
+    entries = load_verified(path) if path is not None else []
+    claims = {(e.family, e.backend, e.format): e for e in entries}
+
+    cells = []
+    for fam_name in sorted(host.families):
+        family = host.families[fam_name].load()
+        for be_name in sorted(host.backends):
+            provided = host.backends[be_name].capabilities
+            for fmt, weight_fmt in FORMAT_AXIS.items():
+                missing = tuple(missing_capabilities(family.format_capabilities(weight_fmt), provided))
+                claim = claims.pop((fam_name, be_name, fmt), None)
+                if missing:
+                    cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "unsupported", missing))
+                    if claim is not None:
+                        claims[(fam_name, be_name, fmt)] = claim  # reported below: a claim the capabilities contradict
+                elif claim is not None:
+                    cells.append(Cell(fam_name, be_name, fmt, weight_fmt, claim.status, (), claim.tests))
+                else:
+                    cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "declared"))
+
+    notes = []
+    for (fam, be, fmt), e in sorted(claims.items()):
+        if fam in host.families and be in host.backends:
+            notes.append(f"{fam} x {be} x {fmt}: listed as {e.status} but the backend lacks needed capabilities")
+        else:
+            notes.append(f"{fam} x {be} x {fmt}: listed as {e.status} but family or backend is not loaded")
+
+    plugins = tuple(
+        PluginRow(r.name, r.distribution, r.version, r.status, r.api, r.requires_core, r.kind)
+        for r in sorted(host.records, key=lambda r: r.name)
+    )
+    return CompatMatrix(
+        core_api=f"{PLUGIN_API_VERSION[0]}.{PLUGIN_API_VERSION[1]}",
+        core_version=_core_version(),
+        verified_file=shown if path is not None else None,
+        plugins=plugins,
+        cells=tuple(cells),
+        notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def _grid(matrix: CompatMatrix, family: str) -> list[list[str]]:
+    """Rows ``[backend, cell label per format]`` for one family."""
+    rows: dict[str, list[str]] = {}
+    for c in matrix.cells:
+        if c.family == family:
+            rows.setdefault(c.backend, [c.backend]).append(c.label)
+    return list(rows.values())
+
+
+def _families(matrix: CompatMatrix) -> list[str]:
+    return sorted({c.family for c in matrix.cells})
+
+
+def _plugin_table(matrix: CompatMatrix) -> tuple[list[str], list[list[str]]]:
+    head = ["plugin", "distribution", "version", "provides", "status", "plugin API", "accepts zllm-core"]
+    rows = [[p.name, p.distribution, p.version, p.kind, p.status, p.api or "-", p.requires_core or "any"] for p in matrix.plugins]
+    return head, rows
+
+
+def _render_md(matrix: CompatMatrix) -> str:
+    def table(head: list[str], rows: list[list[str]]) -> list[str]:
+        out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return out
+
+    lines = [
+        "# zllm compatibility matrix",
+        "",
+        "<!-- Generated by `zllm compat --format md`; do not edit. tests/compat checks this file"
+        " equals the command's output. -->",
+        "",
+        f"Core plugin API: **{matrix.core_api}** (zllm-core {matrix.core_version})",
+        "",
+        "Evidence for verified cells: " + (f"`{matrix.verified_file}`" if matrix.verified_file else "none (no compat/verified.toml found)"),
+        "",
+        "Statuses: *verified* (a listed test ran it against the oracle), *kernel-verified* (kernels"
+        " checked in Triton's interpreter), *declared* (capabilities match, nothing ran),"
+        " *unsupported* (names the missing capabilities).",
+        "",
+        "## Plugins",
+        "",
+        *table(*_plugin_table(matrix)),
+    ]
+    for fam in _families(matrix):
+        lines += ["", f"## Family `{fam}`", "", *table(["backend", *FORMAT_AXIS], _grid(matrix, fam))]
+    if not matrix.cells:
+        lines += ["", "No family x backend pair is loaded."]
+    if matrix.notes:
+        lines += ["", "## Notes", "", *(f"- {n}" for n in matrix.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _render_text(matrix: CompatMatrix) -> str:
+    def table(head: list[str], rows: list[list[str]]) -> list[str]:
+        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+        return ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in (head, *rows)]
+
+    lines = [
+        f"core plugin API {matrix.core_api} (zllm-core {matrix.core_version})",
+        f"verified file: {matrix.verified_file or 'none found'}",
+        "",
+        *table(*_plugin_table(matrix)),
+    ]
+    for fam in _families(matrix):
+        lines += ["", f"family {fam}:"]
+        rows = [[c.backend, c.format, c.label] for c in matrix.cells if c.family == fam]
+        lines += table(["backend", "format", "status"], rows)
+    for n in matrix.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines) + "\n"
+
+
+def _as_json(matrix: CompatMatrix) -> dict[str, Any]:
+    return {
+        "core_api": matrix.core_api,
+        "core_version": matrix.core_version,
+        "verified_file": matrix.verified_file,
+        "plugins": [attrs.asdict(p) for p in matrix.plugins],
+        "cells": [{**attrs.asdict(c), "missing": list(c.missing), "tests": list(c.tests)} for c in matrix.cells],
+        "notes": list(matrix.notes),
+    }
+
+
+def render(matrix: CompatMatrix, fmt: str) -> str:
+    """The matrix as ``text``, ``md`` (what COMPATIBILITY.md holds) or ``json``.
+
+    Raises:
+        ValueError: another ``fmt`` (names the valid ones).
+    """
+    if fmt == "md":
+        return _render_md(matrix)
+    if fmt == "text":
+        return _render_text(matrix)
+    if fmt == "json":
+        return json.dumps(_as_json(matrix), indent=2) + "\n"
+    raise ValueError(f"unknown format {fmt!r}; expected text, md or json")

@@ -1,0 +1,50 @@
+"""Fixtures for the tokenizer tests. Every tokenizer is built once per session: the
+32,000-token GGUF vocabularies take about 2 s each to read with ``gguf.GGUFReader``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from tokdata import STORIES_GGUF, STORIES_HF, TINY_RANDOM_GGUF, VOCABS, load_json
+
+from zllm.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def stories_hf() -> Tokenizer:
+    return Tokenizer.from_hf_files(
+        STORIES_HF / "tokenizer.json",
+        load_json(STORIES_HF / "tokenizer_config.json"),
+        load_json(STORIES_HF / "generation_config.json"),
+    )
+
+
+@pytest.fixture(scope="session")
+def stories_gguf() -> Tokenizer:
+    return Tokenizer.from_gguf_file(STORIES_GGUF)
+
+
+@pytest.fixture(scope="session")
+def llama_spm() -> Tokenizer:
+    return Tokenizer.from_gguf_file(VOCABS / "ggml-vocab-llama-spm.gguf")
+
+
+@pytest.fixture(scope="session")
+def phi3() -> Tokenizer:
+    return Tokenizer.from_gguf_file(VOCABS / "ggml-vocab-phi-3.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_random() -> Tokenizer:
+    return Tokenizer.from_gguf_file(TINY_RANDOM_GGUF)
+
+
+@pytest.fixture(scope="session")
+def stories_transformers():
+    """HF transformers' tokenizer for the stories260k checkpoint, from local files only."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(STORIES_HF), split_special_tokens=True, local_files_only=True)

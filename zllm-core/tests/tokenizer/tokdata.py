@@ -1,0 +1,57 @@
+"""Test data for the tokenizer tests: paths of the small real vocabularies in ``../shared/models``,
+llama.cpp's tokenizer test vectors, and hypothesis strategies for text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import strategies as st
+
+# DESIGN.md "Data in ../shared": the repository's sibling folder holds the model files.
+MODELS = Path(__file__).resolve().parents[3].parent / "shared" / "models"
+VOCABS = MODELS / "llama.cpp-vocab"
+STORIES_HF = MODELS / "stories260k" / "hf"
+STORIES_GGUF = MODELS / "stories260k" / "gguf" / "stories260K-f32.gguf"
+TINY_RANDOM_GGUF = MODELS / "llama-2-tiny-random-gguf" / "llama-2-tiny-random.gguf"
+
+VOCAB_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
+
+
+def read_vocab_vectors(name: str) -> list[tuple[str, list[int]]]:
+    """(text, ids) pairs of llama.cpp's ``ggml-vocab-NAME.gguf.inp``/``.out`` test vectors.
+
+    Each input string is *terminated* by the separator (llama.cpp's test-tokenizer-0 splits on
+    it), so the split leaves one empty trailing element, which is not a test case; the empty
+    string earlier in the file is one.
+    """
+    inp = (VOCABS / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8")
+    out = (VOCABS / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8")
+    texts = inp.split(VOCAB_TEST_SEPARATOR)
+    assert texts[-1] == "", "the .inp file must end with a separator"
+    texts = texts[:-1]
+    lines = out.split("\n")
+    assert lines[-1] == ""
+    ids = [[int(t) for t in line.split()] for line in lines[:-1]]
+    assert len(texts) == len(ids), (len(texts), len(ids))
+    return list(zip(texts, ids))
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# Pieces that stress the tokenizers: leading/repeated spaces, newlines, tabs, special-token
+# text, the ▁ meta symbol itself, byte-fallback material (emoji, CJK, Khmer, combining marks).
+FRAGMENTS = [
+    " ", "  ", "   ", "\n", "\n\n", "\t", "Hello", "hello", " world", "Zoo", "Once upon a time",
+    "Lily", "'s", "!", "?", ".", ",", "3", "333", "<s>", "</s>", "<unk>", "<0x41>", "<", ">",
+    "\u2581", "é", "Äpfel", "ñ", "🦙", "😁", "🚀", "😶\u200d🌫️", "✅", "中文", "我想在", "天～",
+    "нещо", "Cửa Việt", "ពិសេស", "e\u0301", "\u00a0", "\r\n",
+]
+
+texts = st.one_of(
+    st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join),
+    st.text(max_size=24),
+)
