@@ -41,7 +41,9 @@ def test_stream_concatenation_equals_generate_text(engine, request_):
     assert text == full["text"]
     assert token_ids == full["token_ids"]
     assert final["finish_reason"] == full["finish_reason"]
-    assert final["usage"] == full["usage"]
+    # the second run may reuse the first one's cached prompt; only cached_tokens differs
+    assert {k: v for k, v in final["usage"].items() if k != "cached_tokens"} == {
+        k: v for k, v in full["usage"].items() if k != "cached_tokens"}
 
 
 def test_stop_string_spanning_tokens_ends_output_before_it(engine):

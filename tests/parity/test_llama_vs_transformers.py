@@ -2,8 +2,8 @@
 
 Tolerances: f32 weights -> logits within 1e-4 (abs) of HF in f32, greedy tokens identical.
 bf16 weights (zllm computes in f32 on bf16-stored weights) -> within 1e-4 of HF run in f32
-on the same bf16-rounded weights, and within 5e-2 of HF's native bf16 forward (which
-rounds activations too).
+on the same bf16-rounded weights, and within 10% of the largest logit of HF's native bf16
+forward (which rounds every activation to bf16 as well, ~2^-8 relative per op).
 """
 
 from __future__ import annotations
@@ -63,17 +63,25 @@ def test_f32_logits_and_greedy_tokens_match_transformers(tmp_path, case):
     assert n == 32 or out["finish_reason"] == "stop"
 
 
+def _reload(path, dtype):
+    # A fresh load recomputes RoPE's inv_freq in f32; casting a live model with .to()
+    # would round that buffer too and blur the comparison.
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
 def test_bf16_weights_match_transformers_on_rounded_weights(tmp_path):
-    model, path = _save(tmp_path, "gqa-tied", dtype=torch.bfloat16)
+    _, path = _save(tmp_path, "gqa-tied", dtype=torch.bfloat16)
     engine = zllm.Engine.from_config(write_config(tmp_path, path))
     assert engine.loaded.model.embed.dtype == torch.bfloat16  # weights stay bf16 in memory
     ours = engine.prompt_logits(PROMPT)
-    torch.testing.assert_close(ours, _hf_logits(model.float(), PROMPT), atol=1e-4, rtol=0)
-    torch.testing.assert_close(ours, _hf_logits(model.to(torch.bfloat16), PROMPT), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(ours, _hf_logits(_reload(path, torch.float32), PROMPT), atol=1e-4, rtol=0)
+    native = _hf_logits(_reload(path, torch.bfloat16), PROMPT)
+    assert (ours - native).abs().max() <= 0.1 * native.abs().max()
 
 
 def test_dtype_f32_config_upcasts_bf16_checkpoint(tmp_path):
-    model, path = _save(tmp_path, "mha-untied", dtype=torch.bfloat16)
+    _, path = _save(tmp_path, "mha-untied", dtype=torch.bfloat16)
     engine = zllm.Engine.from_config(write_config(tmp_path, path, model={"dtype": "f32"}))
     assert engine.loaded.model.embed.dtype == torch.float32
-    torch.testing.assert_close(engine.prompt_logits(PROMPT), _hf_logits(model.float(), PROMPT), atol=1e-4, rtol=0)
+    expected = _hf_logits(_reload(path, torch.float32), PROMPT)
+    torch.testing.assert_close(engine.prompt_logits(PROMPT), expected, atol=1e-4, rtol=0)

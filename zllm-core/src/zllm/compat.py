@@ -26,14 +26,14 @@ import json
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from zllm.capabilities import missing_capabilities
-from zllm.plugins.hookspecs import PLUGIN_API_VERSION
-from zllm.plugins.host import PluginHost
 from zllm.spec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zllm.plugins.host import PluginHost
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -176,7 +176,7 @@ def _core_version() -> str:
         return "unknown"
 
 
-def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatrix:
+def compute_matrix(host: "PluginHost", verified: Path | None = None) -> CompatMatrix:
     """Build the matrix for every loaded family and backend of ``host``.
 
     Args:
@@ -185,6 +185,11 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
     Raises:
         ConfigError: the verified file is malformed (see :func:`load_verified`).
     """
+    # Imported here, not at module level, so that tools/check_verified.py can use
+    # load_verified without importing torch.
+    from zllm.capabilities import missing_capabilities
+    from zllm.plugins.hookspecs import PLUGIN_API_VERSION
+
     if verified is not None:
         if not verified.is_file():
             raise ConfigError("--verified", f"{verified}: no such file")

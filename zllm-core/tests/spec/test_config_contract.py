@@ -68,7 +68,8 @@ def test_minimal_config_takes_every_default(base: dict[str, Any], ckpt_dir: Path
 
 
 def test_load_config_resolves_relative_path_against_the_file(tmp_path: Path) -> None:
-    ckpt, _ = _make(tmp_path / "models")
+    ckpt = tmp_path / "models" / "ckpt"
+    ckpt.mkdir(parents=True)
     (tmp_path / "conf").mkdir()
     cfg_file = tmp_path / "conf" / "x.yaml"
     cfg_file.write_text(
@@ -88,12 +89,6 @@ def test_load_config_resolves_relative_path_against_the_file(tmp_path: Path) -> 
     assert cfg.generation.stop == ("\n\n",) and cfg.generation.stop_token_ids == (2,)
     # Plain Python types, not ruamel's formatting-carrying str/float subclasses.
     assert type(cfg.generation.stop[0]) is str and type(cfg.model.dtype) is str
-
-
-def _make(root: Path) -> tuple[Path, Path]:
-    from conftest import make_checkpoints
-
-    return make_checkpoints(root)
 
 
 def test_format_auto_detects_directory_and_file(ckpt_dir: Path, gguf_file: Path) -> None:

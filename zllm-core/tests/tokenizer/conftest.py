@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import pytest
 from tokdata import STORIES_GGUF, STORIES_HF, TINY_RANDOM_GGUF, VOCABS, load_json
 
@@ -27,8 +28,21 @@ def stories_gguf() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def llama_spm() -> Tokenizer:
-    return Tokenizer.from_gguf_file(VOCABS / "ggml-vocab-llama-spm.gguf")
+def llama_spm_meta() -> dict:
+    """Decoded metadata of llama.cpp's Llama SentencePiece vocabulary file (no tensors)."""
+    reader = gguf.GGUFReader(VOCABS / "ggml-vocab-llama-spm.gguf")
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_spm_ids(llama_spm_meta) -> dict[str, int]:
+    """Token text → id of the llama-spm vocabulary, for the llama.cpp transcription."""
+    return {t: i for i, t in enumerate(llama_spm_meta["tokenizer.ggml.tokens"])}
+
+
+@pytest.fixture(scope="session")
+def llama_spm(llama_spm_meta) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(llama_spm_meta, str(VOCABS / "ggml-vocab-llama-spm.gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Test data for the tokenizer tests: paths of the small real vocabularies in ``../shared/models``,
+"""Test data for the tokenizer tests: paths of the small real vocabularies in ``assets/models``,
 llama.cpp's tokenizer test vectors, and hypothesis strategies for text.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 # DESIGN.md "Data in ../shared": the repository's sibling folder holds the model files.
-MODELS = Path(__file__).resolve().parents[3].parent / "shared" / "models"
+MODELS = Path(__file__).resolve().parents[3] / "assets" / "models"
 VOCABS = MODELS / "llama.cpp-vocab"
 STORIES_HF = MODELS / "stories260k" / "hf"
 STORIES_GGUF = MODELS / "stories260k" / "gguf" / "stories260K-f32.gguf"

@@ -8,31 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STORIES_HF, copy_hf
+from weights_helpers import STORIES_HF, assert_backed_by, copy_hf, needs_proc
 
 from zllm.spec.errors import CheckpointError, TensorError
 from zllm.weights import open_checkpoint
-
-
-def file_mappings(path: Path) -> list[tuple[int, int]]:
-    """Address ranges this process has mapped from ``path`` (Linux /proc/self/maps)."""
-    target = str(path.resolve())
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5] == target:
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            ranges.append((lo, hi))
-    return ranges
-
-
-def assert_backed_by(tensor: torch.Tensor, path: Path) -> None:
-    ptr, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    ranges = file_mappings(path)
-    assert any(lo <= ptr and end <= hi for lo, hi in ranges), f"{ptr:#x} not in a mapping of {path}: {ranges}"
-
-
-needs_proc = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc/self/maps")
 
 
 def test_stories_hf_config_and_tensors():
@@ -161,4 +140,5 @@ def test_unsupported_safetensors_dtype_is_refused_with_alternatives(tmp_path):
 
 def test_hf_load_tokenizer():
     tokenizer = open_checkpoint(STORIES_HF).load_tokenizer()
-    assert tokenizer is not None
+    assert tokenizer.encode("Zoo") == [1, 410, 469, 347]  # shared/models/README.md
+    assert set(tokenizer.eos_token_ids) == {2, 1}  # generation_config.json's list

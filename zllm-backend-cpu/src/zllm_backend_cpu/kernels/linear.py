@@ -4,10 +4,10 @@ Dimension legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``R`` row
 weight tile, ``NBK = K // 32`` blocks per row.
 
 Low-precision and quantized weights are never expanded whole. Rows are decoded to f32 one
-tile at a time into a reused buffer (about :data:`DECODE_TILE_BYTES` for decode steps,
-:data:`PREFILL_TILE_BYTES` otherwise — measured on a 2-core x86 box, where a reused
-1-4 MB tile was 3-4x faster than expanding a 64 MB weight) and multiplied into the matching
-rows of ``out^T``. Block layouts: ggml ``ggml-common.h`` (see ``zllm.weights.formats``); the
+tile at a time into a reused f32 buffer of about :data:`TILE_BYTES` and multiplied into the
+matching rows of ``out^T``. 4 MB was measured on a 2-core x86 box (4096 x 4096 q8_0, T = 1):
+3x faster than expanding the 64 MB weight at once, and much more robust than 256 KB-1 MB
+tiles when the cores are shared (many small parallel regions stall on a descheduled thread). Block layouts: ggml ``ggml-common.h`` (see ``zllm.weights.formats``); the
 decode is the same f32 arithmetic as the reference ``zllm.domain.quant``, so results differ
 from it only by matmul summation order.
 
@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from ._api import QuantizedTensor
+from zllm.plugin_api import QuantizedTensor
 
-DECODE_TILE_BYTES = 1 << 20  # f32 working set of one decoded tile when T == 1
-PREFILL_TILE_BYTES = 4 << 20  # f32 working set of one decoded tile when T > 1
+TILE_BYTES = 4 << 20  # f32 working set of one decoded weight tile
 QK = 32  # weights per q8_0 / q4_0 block
 F16_MAX = 65504.0
 
 
-def _tile_rows(k: int, t: int) -> int:
-    """Rows per tile: an f32 ``[R, K]`` tile of about the tile budget, at least 16 rows."""
-    budget = DECODE_TILE_BYTES if t == 1 else PREFILL_TILE_BYTES
-    return max(16, budget // (4 * k))
+def _tile_rows(k: int) -> int:
+    """Rows per tile: an f32 ``[R, K]`` tile of about TILE_BYTES, at least 16 rows."""
+    return max(16, TILE_BYTES // (4 * k))
 
 
 def decode_q8_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,10 +48,12 @@ def decode_q4_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None
     r = data.shape[0]
     blocks = data.view(r, k // QK, 18)  # [R, NBK, 18]
     qs = blocks[..., 2:]  # [R, NBK, 16]
+    nibbles = torch.empty(r, k // QK, QK, dtype=torch.uint8)  # [R, NBK, 32], staged in uint8
+    torch.bitwise_and(qs, 0x0F, out=nibbles[..., :16])  # weights 0..15 of each block
+    torch.bitwise_right_shift(qs, 4, out=nibbles[..., 16:])  # weights 16..31
     q = torch.empty(r, k // QK, QK) if out is None else out.view(r, k // QK, QK)  # [R, NBK, 32]
-    torch.bitwise_and(qs, 0x0F, out=q[..., :16])  # weights 0..15 of each block
-    torch.bitwise_right_shift(qs, 4, out=q[..., 16:])  # weights 16..31
-    q.sub_(8.0).mul_(blocks[..., :2].view(torch.float16))
+    q.copy_(nibbles)
+    q.sub_(8.0).mul_(blocks[..., :2].view(torch.float16))  # (n - 8) exact, then one rounding as in the reference
     return q.view(r, k)  # [R, K]
 
 
@@ -81,7 +81,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.
 def _linear_tiled(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = _check(x, weight, bias)
     t = x.shape[0]
-    rows = min(n, _tile_rows(k, t))
+    rows = min(n, _tile_rows(k))
     buf = torch.empty(rows * k)  # one reused f32 tile
     x_t = x.t()  # [K, T]
     out_t = torch.empty(n, t)  # [N, T]: a row tile of it is contiguous

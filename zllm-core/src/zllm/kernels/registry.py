@@ -33,13 +33,19 @@ class KernelEntry:
     impl: Callable | str
     priority: int = 0
     registered_by: str = "unknown"
+    # The imported callable, cached apart from ``impl`` so that ``name`` (shown by
+    # ``--explain`` and in replacement logs) stays the reference the plugin registered.
+    _resolved: Callable | None = attrs.field(default=None, init=False, repr=False)
 
     def resolve(self) -> Callable:
         """Import (once) and return the implementation."""
-        if isinstance(self.impl, str):
-            module, _, attr = self.impl.partition(":")
-            self.impl = getattr(importlib.import_module(module), attr)
-        return self.impl
+        if self._resolved is None:
+            if isinstance(self.impl, str):
+                module, _, attr = self.impl.partition(":")
+                self._resolved = getattr(importlib.import_module(module), attr)
+            else:
+                self._resolved = self.impl
+        return self._resolved
 
     @property
     def name(self) -> str:

@@ -101,6 +101,17 @@ class PluginHost:
         eps = list(entry_points) if entry_points is not None else list(metadata.entry_points(group=ENTRY_POINT_GROUP))
         for ep in sorted(eps, key=lambda e: e.name):
             self._load(ep)
+        unmatched = sorted((self.allowlist or set()) - {ep.name for ep in eps})
+        if unmatched:
+            # A misspelt ZLLM_PLUGINS entry would otherwise filter everything out and look
+            # like "no plugin installed".
+            installed = ", ".join(sorted(ep.name for ep in eps)) or "none"
+            warnings.warn(
+                f"ZLLM_PLUGINS names {', '.join(unmatched)}, which no installed plugin provides "
+                f"(installed entry points: {installed})",
+                PluginWarning,
+                stacklevel=2,
+            )
         self.backends: dict[str, BackendInfo] = {}
         self.families: dict[str, FamilyInfo] = {}
         self._collect()

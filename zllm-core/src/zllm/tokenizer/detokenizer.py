@@ -31,21 +31,20 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Text deltas for one generated sequence.
+    """Text deltas for one generated sequence: :meth:`push` each step's ids, :meth:`flush` at the end.
 
     Args:
         tokenizer: the model's tokenizer.
         prompt_ids: the prompt, if output continues it: then the first output token renders
             as it does after the prompt (e.g. ``▁Hello`` → ``" Hello"``), and the deltas add up
             to ``decode(prompt + output)`` minus its common prefix with ``decode(prompt)``.
-            Without a prompt, or with one of special tokens only, they add up to
+            Without a prompt, or with one of skipped special tokens only, they add up to
             ``decode(output)``.
         skip_special_tokens: drop special tokens, as ``Tokenizer.decode`` does.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self._tok = tokenizer
-        self._skip = skip_special_tokens
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._bytes = tokenizer.byte_fallback_ids
         context = self._kept(prompt_ids or [])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
 
 from zllm.spec.errors import CheckpointError
 from zllm.tokenizer.gguf_vocab import vocab_from_gguf_metadata
@@ -48,7 +49,8 @@ class Tokenizer:
         add_bos: bool,
         add_eos: bool,
     ):
-        """Wrap ``hf`` (its post-processor is dropped). Prefer the ``from_*`` constructors.
+        """Wrap ``hf``, taking ownership: its post-processor is removed, since BOS/EOS are added
+        here from ``add_bos``/``add_eos``. Prefer the ``from_*`` constructors.
 
         Raises:
             CheckpointError: ``add_bos``/``add_eos`` is set but there is no BOS/EOS id.
@@ -71,9 +73,10 @@ class Tokenizer:
         self._add_eos = add_eos
         self._vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
-        self._byte_ids = frozenset(
-            i for i in (hf.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None and i not in self._special_ids
-        ) if getattr(hf.model, "byte_fallback", False) else frozenset()
+        byte_ids: set[int] = set()
+        if isinstance(hf.model, BPE) and hf.model.byte_fallback:
+            byte_ids = {hf.token_to_id(f"<0x{b:02X}>") for b in range(256)} - {None} - self._special_ids
+        self._byte_ids = frozenset(byte_ids)
 
     # -- constructors ------------------------------------------------------------------------
 

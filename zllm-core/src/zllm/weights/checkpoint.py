@@ -34,7 +34,7 @@ class Checkpoint(abc.ABC):
     @property
     @abc.abstractmethod
     def files(self) -> list[Path]:
-        """Every file this checkpoint is made of (weights, config, tokenizer), absolute paths."""
+        """Every file this checkpoint is made of (config, generation config, tokenizer, weights), under :attr:`path`."""
 
     @property
     @abc.abstractmethod

@@ -66,13 +66,15 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path):
         self.path = path
+        size = path.stat().st_size
         try:
             reader = GGUFReader(path, mode="c")
         except Exception as e:  # GGUFReader raises ValueError, IndexError, OSError … on bad files
-            raise CheckpointError(str(path), f"not a readable GGUF file (truncated or corrupt): {type(e).__name__}: {e}") from e
+            raise CheckpointError(
+                str(path), f"not a readable GGUF file ({size} bytes; truncated or corrupt): {type(e).__name__}: {e}"
+            ) from e
         if reader.byte_order != "I":
             raise CheckpointError(str(path), "big-endian GGUF files are not supported")
-        size = path.stat().st_size
         for t in reader.tensors:
             end = int(t.data_offset) + int(t.n_bytes)
             if end > size or t.data.nbytes != t.n_bytes:
