@@ -1,9 +1,9 @@
 """Llama math matches HF transformers on tiny random checkpoints that transformers saves.
 
 Tolerances: f32 weights -> logits within 1e-4 (abs) of HF in f32, greedy tokens identical.
-bf16 weights (zllm computes in f32 on bf16-stored weights) -> within 1e-4 of HF run in f32
-on the same bf16-rounded weights, and within 10% of the largest logit of HF's native bf16
-forward (which rounds every activation to bf16 as well, ~2^-8 relative per op).
+bf16/f16 weights (zllm computes in f32 on 16-bit stored weights) -> within 1e-4 of HF run
+in f32 on the same rounded weights, and within 10% of the largest logit of HF's native
+16-bit forward (which rounds every activation as well, ~2^-8 relative per op for bf16).
 """
 
 from __future__ import annotations
@@ -69,13 +69,14 @@ def _reload(path, dtype):
     return transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def test_bf16_weights_match_transformers_on_rounded_weights(tmp_path):
-    _, path = _save(tmp_path, "gqa-tied", dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_16bit_weights_match_transformers_on_rounded_weights(tmp_path, dtype):
+    _, path = _save(tmp_path, "gqa-tied", dtype=dtype)
     engine = zllm.Engine.from_config(write_config(tmp_path, path))
-    assert engine.loaded.model.embed.dtype == torch.bfloat16  # weights stay bf16 in memory
+    assert engine.loaded.model.embed.dtype == dtype  # weights stay 16-bit in memory
     ours = engine.prompt_logits(PROMPT)
     torch.testing.assert_close(ours, _hf_logits(_reload(path, torch.float32), PROMPT), atol=1e-4, rtol=0)
-    native = _hf_logits(_reload(path, torch.bfloat16), PROMPT)
+    native = _hf_logits(_reload(path, dtype), PROMPT)
     assert (ours - native).abs().max() <= 0.1 * native.abs().max()
 
 

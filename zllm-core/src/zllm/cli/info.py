@@ -53,7 +53,7 @@ def cmd_config_migrate(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("", f"{path}: cannot read: {exc.strerror}") from None
-    migrated = migrate_file_text(text)
+    migrated = migrate_file_text(text, str(path))
     if args.in_place:
         path.write_text(migrated, encoding="utf-8")
     elif args.output:

@@ -49,9 +49,10 @@ def _progress():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # Check the config before importing the engine (torch): config mistakes fail fast.
+    cfg = _overrides(load_config(args.config), args)
     from zllm.engine.engine import Engine
 
-    cfg = _overrides(load_config(args.config), args)
     on_start, on_tensor = _progress()
     engine = Engine.from_config(cfg, on_start=on_start, on_tensor=on_tensor)
     if args.explain:

@@ -112,7 +112,8 @@ def load_yaml_text(text: str, source: str) -> CommentedMap:
         problem = exc.problem or exc.context or "malformed YAML"
         raise ConfigError("", f"invalid YAML in {source}{where}: {problem}") from exc
     if not isinstance(data, CommentedMap):
-        raise ConfigError("", f"{source}: expected a mapping of config sections, got {type(data).__name__}")
+        got = "an empty file" if data is None else "a list" if isinstance(data, list) else f"a {type(data).__name__}"
+        raise ConfigError("", f"{source}: expected a mapping of config sections, got {got}")
     return data
 
 
