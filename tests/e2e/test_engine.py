@@ -158,3 +158,11 @@ def test_closing_a_stream_early_frees_its_kv_blocks(tmp_path):
     stream.close()
     assert eng.llm.scheduler.kv.num_free_blocks == free_before
     assert not eng.llm.has_work()
+
+
+def test_ignore_eos_runs_past_the_story_separator(engine):
+    stopped = engine.generate({"prompt": "", "max_tokens": 400})
+    assert stopped["finish_reason"] == "stop"
+    out = engine.generate({"prompt": "", "max_tokens": 400, "ignore_eos": True})
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 400
+    assert out["token_ids"][: len(stopped["token_ids"])] == stopped["token_ids"]

@@ -22,13 +22,13 @@ def test_explicit_unknown_backend_lists_installed_backends_and_unloaded_plugins(
     with pytest.raises(PluginError) as info:
         select_backend(host, "rocm", NEEDS_F32, "llama")
     msg = str(info.value)
-    assert "backend 'rocm' is not installed (installed backends: alpha, beta)" in msg
+    assert "backend 'rocm' is not provided by any loaded plugin (loaded backends: alpha, beta)" in msg
     assert "broken" in msg and "no libfoo" in msg
 
 
 def test_explicit_unknown_backend_with_the_real_plugins_lists_cpu():
     host = PluginHost()
-    with pytest.raises(PluginError, match=r"backend 'metal' is not installed \(installed backends: cpu\)"):
+    with pytest.raises(PluginError, match=r"backend 'metal' is not provided by any loaded plugin \(loaded backends: cpu\)"):
         select_backend(host, "metal", NEEDS_F32, "llama")
 
 

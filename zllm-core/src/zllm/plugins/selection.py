@@ -54,10 +54,10 @@ def select_backend(host: PluginHost, name: str, needed: frozenset[Capability], f
     if name != "auto":
         info = host.backends.get(name)
         if info is None:
-            installed = ", ".join(sorted(host.backends)) or "none"
+            loaded = ", ".join(sorted(host.backends)) or "none"
             extra = host.not_loaded_reasons()
             raise PluginError(
-                f"backend {name!r} is not installed (installed backends: {installed})"
+                f"backend {name!r} is not provided by any loaded plugin (loaded backends: {loaded})"
                 + (f"; plugins not loaded: {'; '.join(extra)}" if extra else "")
             )
         missing = missing_capabilities(needed, info.capabilities)

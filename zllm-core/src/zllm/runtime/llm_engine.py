@@ -19,6 +19,7 @@ from zllm.runtime.scheduler import Scheduler
 from zllm.runtime.sequence import Sequence
 from zllm.spec.errors import ContextLengthError, RequestError
 from zllm.spec.request import GenerationRequest
+from zllm.tokenizer import IncrementalDetokenizer
 
 
 @attrs.frozen
@@ -56,9 +57,6 @@ class LLMEngine:
     def __init__(self, model, ops, tokenizer, kv: PagedKVCache, eos_token_ids: frozenset[int], *,
                  max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int, context_length: int,
                  device: torch.device):
-        from zllm.tokenizer import IncrementalDetokenizer
-
-        self._detokenizer_cls = IncrementalDetokenizer
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
@@ -85,8 +83,9 @@ class LLMEngine:
         generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
         seq = Sequence(
             next(self._ids), request, list(prompt_ids), max_new_tokens,
-            self.eos_token_ids | frozenset(request.stop_token_ids),
-            self._detokenizer_cls(self.tokenizer, prompt_ids=list(prompt_ids)), generator,
+            # ignore_eos (vLLM's switch, for benchmarks) keeps only the request's own stop ids
+            (frozenset() if request.ignore_eos else self.eos_token_ids) | frozenset(request.stop_token_ids),
+            IncrementalDetokenizer(self.tokenizer, prompt_ids=list(prompt_ids)), generator,
         )
         self.scheduler.add(seq)
         return seq

@@ -39,21 +39,9 @@ class ModelRunner:
             if seq.num_computed == seq.num_tokens:
                 sampling.append(seq)
                 logits_rows.append(len(ids) - 1)
-        seqs = [s for s, _ in step.items]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=self.kv.block_table([s.kv for s in seqs], self.device),
-            query_lens=tuple(n for _, n in step.items),
-            context_lens=tuple(s.num_computed for s in seqs),
-            scale=self.scale,
-        )
-        logits_indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            logits = self.model.forward(
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device),
-                meta, self.kv.layers, logits_indices,
-            )  # [S', V]
+            logits = self._forward(ids, positions, slots, [s.kv for s, _ in step.items],
+                                   tuple(n for _, n in step.items), logits_rows)  # [S', V]
             if not sampling:
                 return []
             tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
@@ -62,22 +50,30 @@ class ModelRunner:
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """f32 ``[P, V]`` logits for every prompt position, through a throwaway KV handle."""
         seq_kv = SeqKV()
+        n = len(prompt_ids)
         try:
-            slots = self.kv.append(seq_kv, len(prompt_ids))
-            n = len(prompt_ids)
-            meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-                block_tables=self.kv.block_table([seq_kv], self.device),
-                query_lens=(n,), context_lens=(n,), scale=self.scale,
-            )
+            slots = self.kv.append(seq_kv, n)
             with torch.inference_mode():
-                return self.model.forward(
-                    torch.tensor(prompt_ids, dtype=torch.int64, device=self.device),
-                    torch.arange(n, dtype=torch.int64, device=self.device),
-                    meta, self.kv.layers, torch.arange(n, device=self.device),
-                )
+                return self._forward(prompt_ids, list(range(n)), slots, [seq_kv], (n,), list(range(n)))
         finally:
             self.kv.free(seq_kv)
+
+    def _forward(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[SeqKV],
+                 query_lens: tuple[int, ...], logits_rows: list[int]) -> torch.Tensor:
+        """One model forward over a flattened batch whose slots are already reserved."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=self.kv.block_table(seqs, dev),
+            query_lens=query_lens,
+            context_lens=tuple(s.num_tokens for s in seqs),
+            scale=self.scale,
+        )
+        return self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta, self.kv.layers, torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         r = seq.request

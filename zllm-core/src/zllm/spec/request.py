@@ -24,10 +24,12 @@ stop                   string or list of <= 16 non-empty  stop
                        strings
 stop_token_ids         list of ints >= 0                  stop_token_ids
 add_bos                bool (alias add_special_tokens)    add_bos
+ignore_eos             bool; true = EOS ids do not stop  — (false)
+                       (only stop / stop_token_ids do)
 =====================  =================================  ====================================
 
 ``true``/``false`` are never accepted as numbers. Streaming is not a request field: the
-caller picks it by API (``Engine.generate`` vs ``Engine.stream``, SSE vs plain HTTP).
+caller picks it by API (``Engine.generate`` vs ``Engine.generate_stream``, SSE vs plain HTTP).
 
 A result is :func:`make_response`; a stream is :func:`make_delta_event` events followed by
 one :func:`make_final_event`.
@@ -82,6 +84,7 @@ def _request_field(check: Check, default: Any = attrs.NOTHING, converter: Callab
     return attrs.field(default=default, validator=validate, converter=converter)
 
 
+BOOL = Check("true or false", lambda v: isinstance(v, bool))
 REQUEST_STOP = Check(f"a non-empty string or {STOP.expect}", STOP.ok)
 
 
@@ -118,6 +121,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = _request_field(REQUEST_STOP, converter=_to_stop_tuple)
     stop_token_ids: tuple[int, ...] = _request_field(TOKEN_IDS, converter=to_tuple)
     add_bos: bool | None = _request_field(OPTIONAL_BOOL)
+    ignore_eos: bool = _request_field(BOOL, False)
 
     def __attrs_post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -142,7 +146,7 @@ _DEFAULTED_FIELDS = {
 }
 _ALIASES = {"add_special_tokens": "add_bos"}  # vLLM's and HF's name for the same switch
 _ACCEPTED_FIELDS = tuple(f.name for f in attrs.fields(GenerationRequest)) + tuple(_ALIASES)
-assert set(_DEFAULTED_FIELDS) | {"prompt", "prompt_token_ids"} == {f.name for f in attrs.fields(GenerationRequest)}
+assert set(_DEFAULTED_FIELDS) | {"prompt", "prompt_token_ids", "ignore_eos"} == {f.name for f in attrs.fields(GenerationRequest)}
 
 
 def parse_request(data: Mapping[str, Any], defaults: GenerationDefaults) -> GenerationRequest:

@@ -64,12 +64,11 @@ def read_safetensors_header(file: Path) -> dict[str, _Entry]:
         if len(head) < 8:
             raise CheckpointError(str(file), f"truncated: {size} bytes, shorter than the 8-byte safetensors header length")
         header_bytes = int.from_bytes(head, "little")
-        if size > 8 and f.read(1) != b"{":
-            # A safetensors header is JSON; anything else is not a safetensors file at all,
-            # and calling it "truncated" (with an absurd promised size) would mislead.
-            raise CheckpointError(str(file), "not a safetensors file: no JSON header after the 8-byte header length")
-        f.seek(8)
         if 8 + header_bytes > size:
+            if f.read(1) not in (b"{", b""):
+                # The header is JSON; without it this is no safetensors file at all, and
+                # "truncated" (with an absurd promised size) would mislead.
+                raise CheckpointError(str(file), "not a safetensors file: no JSON header after the 8-byte header length")
             raise CheckpointError(str(file), f"truncated: the header promises {8 + header_bytes} bytes, the file has {size} bytes")
         raw = f.read(header_bytes)
     try:

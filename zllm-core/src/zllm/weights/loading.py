@@ -89,6 +89,8 @@ def load_weights(
 def parameter_count(checkpoint: Checkpoint) -> int:
     """Number of weights in ``checkpoint``: the sum of its tensors' logical element counts.
 
-    Tied embeddings count once (the checkpoint stores them once).
+    Tied embeddings count once, also when a tied checkpoint stores ``lm_head.weight`` too.
     """
-    return sum(math.prod(checkpoint.tensor_shape(n)) for n in checkpoint.tensor_names())
+    tied = bool(checkpoint.config.get("tie_word_embeddings"))
+    return sum(math.prod(checkpoint.tensor_shape(n)) for n in checkpoint.tensor_names()
+               if not (tied and n == "lm_head.weight"))
