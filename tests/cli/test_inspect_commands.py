@@ -176,7 +176,7 @@ def test_plugins_table_lists_cpu_and_llama_as_loaded():
     assert rows["cpu"]["DISTRIBUTION"] == "zllm-backend-cpu"
     assert rows["cpu"]["KIND"] == "backend:cpu"
     assert rows["llama"]["DISTRIBUTION"] == "zllm-model-llama"
-    assert rows["llama"]["KIND"] == "family:llama"
+    assert rows["llama"]["KIND"] == "family:llama, family:mistral, family:qwen2, family:qwen3"
     for name in ("cpu", "llama"):
         assert rows[name]["VERSION"] == "0.1.0"
         assert rows[name]["STATUS"] == "loaded"

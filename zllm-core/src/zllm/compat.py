@@ -50,6 +50,11 @@ FORMAT_AXIS: dict[str, str] = {
     "gguf-BF16": "bf16",
     "gguf-Q8_0": "q8_0",
     "gguf-Q4_0": "q4_0",
+    "gguf-Q2_K": "q2_k",
+    "gguf-Q3_K": "q3_k",
+    "gguf-Q4_K": "q4_k",
+    "gguf-Q5_K": "q5_k",
+    "gguf-Q6_K": "q6_k",
 }
 
 #: Statuses the verified file may claim for a cell.

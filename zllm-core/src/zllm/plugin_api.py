@@ -13,7 +13,7 @@ from zllm.capabilities import CORE_CAPABILITIES, Capability
 from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
-from zllm.domain.rope import default_inv_freq, rope_cos_sin
+from zllm.domain.rope import ROPE_TYPES, RopeParams, default_inv_freq, rope_cos_sin, rope_inv_freq, rope_params_from_config
 from zllm.kernels.registry import KernelRegistry
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from zllm.spec.errors import CheckpointError
@@ -34,10 +34,14 @@ __all__ = [
     "KernelRegistry",
     "PLUGIN_API_VERSION",
     "QuantizedTensor",
+    "ROPE_TYPES",
+    "RopeParams",
     "SamplingRow",
     "TensorSpec",
     "default_inv_freq",
     "format_of",
     "hookimpl",
     "rope_cos_sin",
+    "rope_inv_freq",
+    "rope_params_from_config",
 ]

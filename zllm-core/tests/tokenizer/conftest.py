@@ -62,3 +62,25 @@ def stories_transformers():
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(STORIES_HF), split_special_tokens=True, local_files_only=True)
+
+
+def _gguf_meta(name: str) -> dict:
+    reader = gguf.GGUFReader(VOCABS / f"ggml-vocab-{name}.gguf")
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+@pytest.fixture(scope="session")
+def gpt2_meta() -> dict:
+    """Decoded metadata of llama.cpp's GPT-2 byte-level BPE vocabulary (``tokenizer.ggml.pre = gpt-2``)."""
+    return _gguf_meta("gpt-2")
+
+
+@pytest.fixture(scope="session")
+def gpt2(gpt2_meta) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(gpt2_meta, str(VOCABS / "ggml-vocab-gpt-2.gguf"))
+
+
+@pytest.fixture(scope="session")
+def mpt() -> Tokenizer:
+    """llama.cpp's MPT vocabulary (GPT-NeoX BPE, ``tokenizer.ggml.pre = mpt``, user-defined space runs)."""
+    return Tokenizer.from_gguf_file(VOCABS / "ggml-vocab-mpt.gguf")

@@ -122,3 +122,36 @@ def test_each_step_decodes_a_bounded_window(stories_hf, monkeypatch):
     monkeypatch.undo()
     assert "".join(deltas) + rest == stories_hf.decode(ids)
     assert len(ids) > 1000 and max(widths) <= 10
+
+
+# -- byte-level BPE: one character's bytes can spread over several tokens --------------------
+
+byte_level_texts = st.one_of(
+    texts,
+    st.lists(st.sampled_from(["🦙", "😶\u200d🌫️", "🚀", "中文", "我想在", "天～", "ពិសេស", " ", "a", "\n", "é"]),
+             max_size=12).map("".join),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=byte_level_texts, chunks=chunk_sizes)
+def test_deltas_add_up_to_full_decode_on_byte_level_bpe(gpt2, text, chunks):
+    ids = gpt2.encode(text, add_special_tokens=False)
+    assert_streams_exactly(gpt2, ids, chunks)
+    deltas, rest = stream(gpt2, ids, chunks)
+    assert "".join(deltas) + rest == text  # lossless, and no U+FFFD from a half character
+    assert not any("\ufffd" in d for d in deltas if "\ufffd" not in text)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 50256), max_size=30), chunks=chunk_sizes)
+def test_deltas_add_up_to_full_decode_for_random_byte_level_ids(gpt2, ids, chunks):
+    assert_streams_exactly(gpt2, ids, chunks)
+
+
+def test_byte_level_emoji_split_over_tokens_is_held_until_complete(gpt2):
+    ids = gpt2.encode("🦙!", add_special_tokens=False)
+    assert [gpt2.id_to_token(i) for i in ids] == ["ðŁ", "¦", "Ļ", "!"]  # F0 9F | A6 | 99 | !
+    detok = IncrementalDetokenizer(gpt2)
+    assert [detok.push([i]) for i in ids] == ["", "", "🦙", "!"]
+    assert detok.flush() == ""

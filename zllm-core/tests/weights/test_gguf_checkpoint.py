@@ -191,14 +191,14 @@ def test_bf16_and_q4_0_tensors(tmp_path):
 def test_unsupported_gguf_type_names_tensor_type_and_supported(tmp_path):
     tensors = tiny_llama_tensors(np.random.default_rng(3))
     stored = dict(tensors)
-    raw = np.zeros((64, 110), dtype=np.uint8)  # Q3_K: 256 weights in 110 bytes; 64 x 256
-    stored["blk.0.ffn_gate.weight"] = (raw, gguf.GGMLQuantizationType.Q3_K)
-    stored["blk.0.ffn_up.weight"] = (raw.copy(), gguf.GGMLQuantizationType.Q3_K)
+    raw = np.zeros((64, 136), dtype=np.uint8)  # IQ4_XS: 256 weights in 136 bytes; 64 x 256
+    stored["blk.0.ffn_gate.weight"] = (raw, gguf.GGMLQuantizationType.IQ4_XS)
+    stored["blk.0.ffn_up.weight"] = (raw.copy(), gguf.GGMLQuantizationType.IQ4_XS)
     stored["blk.0.ffn_down.weight"] = np.zeros((256, 64), np.float32)
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(llama__feed_forward_length=(256, U32)), stored))
     name = "model.layers.0.mlp.gate_proj.weight"
     assert ckpt.tensor_shape(name) == (64, 256)
-    with pytest.raises(TensorError, match=r"stored as GGUF type Q3_K .*supported types: F32, F16, BF16, Q8_0, Q4_0") as e:
+    with pytest.raises(TensorError, match=r"stored as GGUF type IQ4_XS .*supported types: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K") as e:
         ckpt.tensor(name)
     assert e.value.tensor == name and e.value.file == str(tmp_path / "m.gguf")
 
@@ -220,18 +220,29 @@ def test_unknown_architecture_still_gives_metadata(tmp_path):
 
 def test_unmapped_tensor_is_named(tmp_path):
     tensors = tiny_llama_tensors(np.random.default_rng(5))
-    tensors["rope_freqs.weight"] = np.ones(4, np.float32)
+    tensors["pos_embd.weight"] = np.ones(4, np.float32)
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), tensors))
     with pytest.raises(TensorError, match="no HF name in the 'llama' tensor map") as e:
         ckpt.tensor_names()
-    assert e.value.tensor == "rope_freqs.weight"
+    assert e.value.tensor == "pos_embd.weight"
 
 
-def test_rope_scaling_is_refused(tmp_path):
-    kv = tiny_llama_kv(llama__rope__scaling__type=("yarn", STR), llama__rope__scaling__factor=(4.0, F32))
+def test_unmapped_rope_scaling_is_refused_naming_the_supported_ones(tmp_path):
+    kv = tiny_llama_kv(llama__rope__scaling__type=("longrope", STR), llama__rope__scaling__factor=(4.0, F32))
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", kv, tiny_llama_tensors(np.random.default_rng(6))))
-    with pytest.raises(CheckpointError, match="RoPE scaling 'yarn'"):
+    with pytest.raises(CheckpointError, match="RoPE scaling 'longrope'.*supported: none, linear, yarn"):
         ckpt.config
+
+
+def test_yarn_scaling_and_rope_freqs_become_hf_config(tmp_path):
+    kv = tiny_llama_kv(llama__rope__scaling__type=("yarn", STR), llama__rope__scaling__factor=(4.0, F32),
+                       llama__rope__scaling__original_context_length=(64, U32))
+    tensors = tiny_llama_tensors(np.random.default_rng(6))
+    tensors["rope_freqs.weight"] = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
+    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", kv, tensors))
+    assert ckpt.config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert ckpt.config["rope_freq_factors"] == [1.0, 2.0, 4.0, 8.0]
+    assert "rope_freqs.weight" not in ckpt.tensor_names()
 
 
 @pytest.mark.parametrize("keep_bytes", [100, 2000, 600_000])

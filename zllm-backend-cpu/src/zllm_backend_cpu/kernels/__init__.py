@@ -11,14 +11,17 @@ from zllm.plugin_api import Capability
 
 _PKG = "zllm_backend_cpu.kernels"
 
+QUANT_FORMATS = ("q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # decoders in .linear / .kquants
+
 KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("embedding", ("f32", "f16", "bf16"), f"{_PKG}.linear:embedding_dense"),
-    ("embedding", ("q8_0", "q4_0"), f"{_PKG}.linear:embedding_quant"),
+    ("embedding", QUANT_FORMATS, f"{_PKG}.linear:embedding_quant"),
     ("linear", ("f32", "f16", "bf16"), f"{_PKG}.linear:linear_dense"),
-    ("linear", ("q8_0", "q4_0"), f"{_PKG}.linear:linear_quant"),
+    ("linear", QUANT_FORMATS, f"{_PKG}.linear:linear_quant"),
     ("rms_norm", ("f32",), f"{_PKG}.norm:rms_norm"),
     ("rope", ("neox",), f"{_PKG}.rope:rope"),
     ("attention", ("paged",), f"{_PKG}.attention:attention"),
+    ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
     ("sample", ("f32",), f"{_PKG}.sampling:sample"),
 ]

@@ -72,3 +72,57 @@ def attention(
         out[start : start + n_q] = o.transpose(0, 1)
         start += n_q
     return out
+
+
+def attention_sliding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int,
+) -> torch.Tensor:
+    """As :func:`attention`, but query ``p`` sees only keys ``p - window + 1 .. p`` (HF
+    ``sliding_window_overlay``). Gathers only the blocks from the one holding key
+    ``L - Q - window + 1`` on: earlier blocks may already be freed (-1 in the block table).
+    """
+    t, h, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    assert window > 0, window
+    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (q.shape, k.shape, k_cache.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
+
+    slots = meta.slot_mapping
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    out = torch.empty_like(q)  # [T, H, D]
+    start = 0
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        assert 0 < n_q <= n_ctx, (n_q, n_ctx)
+        first = max(0, n_ctx - n_q - window + 1) // bs  # first block any query of this batch reads
+        n_blocks = -(-n_ctx // bs)
+        blocks = meta.block_tables[s, first:n_blocks]  # [n]
+        k0 = first * bs  # absolute position of the first gathered key
+        ks = k_cache[blocks].view(-1, hkv, d)[: n_ctx - k0].transpose(0, 1).float()  # [Hkv, L', D]
+        vs = v_cache[blocks].view(-1, hkv, d)[: n_ctx - k0].transpose(0, 1).float()  # [Hkv, L', D]
+        q_pos = torch.arange(n_ctx - n_q, n_ctx)[:, None]  # [Q, 1]
+        k_pos = torch.arange(k0, n_ctx)[None, :]  # [1, L']
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [Q, L'], True = attend
+        if n_q == 1:
+            # Decode: fold the query heads of each KV head into the query axis (see attention()).
+            qs = q[start].view(hkv, h // hkv, d)  # [Hkv, G, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=meta.scale)  # [Hkv, G, D]
+            out[start] = o.reshape(h, d)
+            start += 1
+            continue
+        qs = q[start : start + n_q].transpose(0, 1)  # [H, Q, D]
+        if hkv != h:
+            ks = ks.repeat_interleave(h // hkv, dim=0)  # [H, L', D]
+            vs = vs.repeat_interleave(h // hkv, dim=0)  # [H, L', D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=meta.scale)  # [H, Q, D]
+        out[start : start + n_q] = o.transpose(0, 1)
+        start += n_q
+    return out

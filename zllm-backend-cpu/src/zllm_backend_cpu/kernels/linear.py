@@ -1,4 +1,5 @@
-"""CPU kernels for ``linear`` and ``embedding`` over dense (f32/f16/bf16) and GGUF q8_0/q4_0 weights.
+"""CPU kernels for ``linear`` and ``embedding`` over dense (f32/f16/bf16) and GGUF block-quantized
+weights (q8_0, q4_0 here; the k-quants q2_k … q6_k in :mod:`zllm_backend_cpu.kernels.kquants`).
 
 Dimension legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``R`` rows of a
 weight tile, ``NBK = K // 32`` blocks per row.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zllm.plugin_api import QuantizedTensor
+from zllm_backend_cpu.kernels.kquants import KQUANT_DECODERS
 
 TILE_BYTES = 4 << 20  # f32 working set of one decoded weight tile
 QK = 32  # weights per q8_0 / q4_0 block
@@ -57,16 +59,18 @@ def decode_q4_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None
     return q.view(r, k)  # [R, K]
 
 
+#: block layout -> ``decode(data uint8 [R, bytes per row], K, out f32 [R, K] | None) -> f32 [R, K]``.
+DECODERS = {"q8_0": decode_q8_0_rows, "q4_0": decode_q4_0_rows, **KQUANT_DECODERS}
+
+
 def _decode_rows(weight: torch.Tensor | QuantizedTensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``start:stop`` of ``weight`` as f32 ``[R, K]`` (written into ``out`` when given)."""
     if isinstance(weight, QuantizedTensor):
-        k = weight.shape[1]
-        data = weight.data[start:stop]
-        if weight.fmt == "q8_0":
-            return decode_q8_0_rows(data, k, out)
-        if weight.fmt == "q4_0":
-            return decode_q4_0_rows(data, k, out)
-        raise ValueError(f"CPU kernels have no decoder for format {weight.fmt!r}; expected 'q8_0' or 'q4_0'")
+        try:
+            decode = DECODERS[weight.fmt]
+        except KeyError:
+            raise ValueError(f"CPU kernels have no decoder for format {weight.fmt!r}; expected one of {sorted(DECODERS)}") from None
+        return decode(weight.data[start:stop], weight.shape[1], out)
     rows = weight[start:stop]
     return rows.float() if out is None else out.copy_(rows)
 
@@ -112,7 +116,7 @@ def linear_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear_quant(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b`` for a q8_0/q4_0 ``weight [N, K]`` decoded per row tile; ``x`` f32 ``[T, K]`` -> f32 ``[T, N]``."""
+    """``x @ W^T + b`` for a block-quantized ``weight [N, K]`` (any of :data:`DECODERS`) decoded per row tile; ``x`` f32 ``[T, K]`` -> f32 ``[T, N]``."""
     assert isinstance(weight, QuantizedTensor), type(weight)
     return _linear_tiled(x, weight, bias)
 
@@ -124,7 +128,7 @@ def embedding_dense(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def embedding_quant(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` int64 ``[T]`` of a q8_0/q4_0 table ``[V, K]``: gather the rows' bytes, decode only them -> f32 ``[T, K]``."""
+    """Rows ``ids`` int64 ``[T]`` of a block-quantized table ``[V, K]``: gather the rows' bytes, decode only them -> f32 ``[T, K]``."""
     assert isinstance(weight, QuantizedTensor), type(weight)
     assert ids.dim() == 1 and ids.dtype == torch.int64, (ids.shape, ids.dtype)
     return _decode_rows(weight.rows(ids), 0, ids.shape[0])  # [T, K]

@@ -45,6 +45,7 @@ CORE_CAPABILITIES: frozenset[Capability] = (
     | _caps("rms_norm", ("f32",))
     | _caps("rope", ("neox",))
     | _caps("attention", ("paged",))
+    | _caps("attention_sliding", ("paged",))
     | _caps("silu_mul", ("f32",))
     | _caps("sample", ("f32",))
 )

@@ -17,6 +17,11 @@ rope           ``(x f32 [T, H, D], cos f32 [T, D/2], sin f32 [T, D/2]) -> f32 [T
 attention      ``(q f32 [T, H, D], k f32 [T, Hkv, D], v f32 [T, Hkv, D], k_cache
                [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D], meta AttentionMetadata)
                -> f32 [T, H, D]``; writes k, v at ``meta.slot_mapping`` first
+attention_     ``(q, k, v, k_cache, v_cache, meta, window int) -> f32 [T, H, D]``: as
+sliding        ``attention``, but a query at position ``p`` sees only keys ``p - window + 1
+               .. p`` (HF ``sliding_window_overlay``). Must not read a block before the one
+               holding key ``L - Q - window + 1``: the KV cache may have freed it (-1 in
+               ``meta.block_tables``)
 silu_mul       ``(gate f32 [T, N], up f32 [T, N]) -> f32 [T, N]`` = ``silu(gate) * up``
 sample         ``(logits f32 [S, V], params list[SamplingRow]) -> int64 [S]``
 =============  ==========================================================================

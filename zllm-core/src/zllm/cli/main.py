@@ -22,13 +22,28 @@ def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate text from the configured model, streaming to stdout")
     p.add_argument("--config", required=True, help="YAML config file")
     p.add_argument("--backend", help="override backend.name")
-    p.add_argument("--prompt", help="prompt text (default: generation.prompt)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--prompt", help="prompt text (default: generation.prompt)")
+    mode.add_argument("--chat", action="store_true",
+                      help="chat through the model's chat template: each stdin line is a user turn, "
+                           "each reply is printed; the conversation is kept")
+    p.add_argument("--system", metavar="TEXT", help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--explain", action="store_true", help="print the kernel chosen for each op and why")
     p.set_defaults(func=_cmd("zllm.cli.run:cmd_run"))
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve OpenAI- and Anthropic-compatible HTTP APIs")
+    p.add_argument("--config", required=True, help="YAML config file")
+    p.add_argument("--host", help="interface to bind (default: server.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default: server.port, 8000)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=_cmd("zllm.cli.serve:cmd_serve"))
 
 
 def _add_plugins(sub) -> None:
@@ -83,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zllm", description="LLM inference through plugins")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_run, _add_plugins, _add_config, _add_card, _add_compat):
+    for add in (_add_run, _add_serve, _add_plugins, _add_config, _add_card, _add_compat):
         add(sub)
     return parser
 

@@ -9,6 +9,7 @@ import time
 import attrs
 
 from zllm.spec.config import load_config
+from zllm.spec.errors import ConfigError, RequestError
 
 
 def _overrides(cfg, args: argparse.Namespace):
@@ -49,6 +50,8 @@ def _progress():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system", "applies only with --chat")
     # Check the config before importing the engine (torch): config mistakes fail fast.
     cfg = _overrides(load_config(args.config), args)
     from zllm.engine.engine import Engine
@@ -57,20 +60,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine.from_config(cfg, on_start=on_start, on_tensor=on_tensor)
     if args.explain:
         _explain(engine)
-    gen = cfg.generation
-    request = {"prompt": gen.prompt}
+    if args.chat:
+        return _chat(engine, args.system)
+    _generate(engine, {"prompt": cfg.generation.prompt})
+    return 0
+
+
+def _generate(engine, request: dict) -> str:
+    """Stream one request's text to stdout and end the line; print its stats on stderr;
+    return the text."""
     t0 = time.perf_counter()
     first = None
     final = None
+    pieces = []
     for event in engine.generate_stream(request):
         if "finish_reason" in event:
             final = event
             break
         if first is None:
             first = time.perf_counter()
+        pieces.append(event["text"])
         sys.stdout.write(event["text"])
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     end = time.perf_counter()
     usage = final["usage"]
     n = usage["completion_tokens"]
@@ -78,11 +91,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     decode_s = end - (first or end)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
     print(
-        f"prompt tokens: {usage['prompt_tokens']}, generated tokens: {n}, "
+        f"prompt tokens: {usage['prompt_tokens']}, cached tokens: {usage['cached_tokens']}, generated tokens: {n}, "
         f"TTFT: {ttft_ms:.1f} ms, decode: {rate:.1f} tokens/s, finish: {final['finish_reason']}",
         file=sys.stderr,
     )
-    return 0
+    return "".join(pieces)
+
+
+CHAT_PROMPT_MARKER = "> "
+
+
+def _chat(engine, system: str | None) -> int:
+    """``zllm run --chat``: each stdin line is a user turn; each reply goes to stdout.
+
+    The whole conversation is sent every turn, so each turn's prompt starts with the previous
+    turn's prompt and reply, and the engine's prefix cache turns it into an Append Prefill
+    (``cached tokens`` on stderr). On a terminal a prompt marker is shown on stderr. Blank
+    lines are skipped; end of input ends the chat.
+
+    Raises:
+        RequestError: the model has no chat template (before reading any input), or its
+            template rejects the conversation (e.g. a system message).
+    """
+    if engine.tokenizer.chat_template is None:
+        raise RequestError(
+            "messages", f"model has no chat template ({engine.loaded.checkpoint.path}); --chat needs one"
+        )
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stderr.write(CHAT_PROMPT_MARKER)
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            if interactive:
+                sys.stderr.write("\n")
+            return 0
+        text = line.rstrip("\r\n")
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = _generate(engine, {"messages": messages})
+        messages.append({"role": "assistant", "content": reply})
 
 
 def _explain(engine) -> None:

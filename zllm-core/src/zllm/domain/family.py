@@ -44,11 +44,17 @@ class FamilyInfo:
 
 @attrs.frozen
 class KVCacheShape:
-    """Per-layer KV cache geometry a model needs: ``num_layers`` x ``[NB, BS, num_kv_heads, head_dim]``."""
+    """Per-layer KV cache geometry a model needs: ``num_layers`` x ``[NB, BS, num_kv_heads, head_dim]``.
+
+    ``sliding_window``: set when *every* layer attends only to the last ``sliding_window``
+    tokens (e.g. mistral), so the KV cache may free blocks that fell out of the window;
+    None when some layer sees the whole context (then every block is kept).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int | None = None
 
 
 class Model(Protocol):

@@ -17,6 +17,7 @@ REFERENCE_IMPLS: dict[str, str] = {
     "rms_norm": "zllm.domain.norm:rms_norm",
     "rope": "zllm.domain.rope:apply_rope",
     "attention": "zllm.domain.attention:attention",
+    "attention_sliding": "zllm.domain.attention:sliding_window_attention",
     "silu_mul": "zllm.domain.activation:silu_mul",
     "sample": "zllm.domain.sampling:sample",
 }

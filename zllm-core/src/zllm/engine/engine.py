@@ -19,7 +19,9 @@ from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.sequence import Sequence
 from zllm.spec.config import ZllmConfig, load_config
+from zllm.spec.errors import RequestError
 from zllm.spec.request import GenerationRequest, make_delta_event, make_final_event, make_response, parse_request
+from zllm.tokenizer.chat import render_chat
 
 
 def plugin_allowlist_from_env(environ: dict[str, str] | None = None) -> list[str] | None:
@@ -78,8 +80,21 @@ class Engine:
         return parse_request(request, self.config.generation)
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt's token ids: given, encoded from ``prompt``, or ``messages`` rendered by
+        the model's chat template with its generation prompt (:func:`zllm.tokenizer.render_chat`).
+
+        Raises:
+            RequestError: ``messages`` for a model without a chat template (naming the
+                checkpoint), or a conversation the template rejects.
+            CheckpointError: the chat template does not parse or the sandbox blocked it.
+        """
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
+        if req.messages is not None:
+            if self.tokenizer.chat_template is None:
+                raise RequestError("messages", f"model has no chat template ({self.loaded.checkpoint.path})")
+            return render_chat(self.tokenizer, [m.to_dict() for m in req.messages], add_generation_prompt=True,
+                               add_bos=req.add_bos)
         add = self.tokenizer.add_bos if req.add_bos is None else req.add_bos
         return self.tokenizer.encode(req.prompt, add_special_tokens=add)
 

@@ -97,7 +97,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     needed = family.required_capabilities(spec, formats)
     choice = select_backend(host, cfg.backend.name, needed, info.name)
     backend = choice.cls(threads=cfg.backend.threads)
-    ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference)
+    ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
+                   batch_invariant=cfg.runtime.batch_invariant)
 
     model_ctx = spec.context_length
     ctx = cfg.runtime.context_length or model_ctx

@@ -3,6 +3,11 @@
 Binding happens once at load: every needed capability is looked up in the registry, so a
 missing kernel fails before the first forward, and each choice keeps its reason for
 ``zllm run --explain``. Weight ops dispatch on the weight's format with one dict lookup.
+
+In batch-invariant mode (config ``runtime.batch_invariant``) every capability is bound to a
+kernel its backend registered as batch-invariant (see :mod:`zllm.kernels.registry`); a
+capability without one fails the load with :class:`~zllm.spec.errors.KernelNotFound`
+naming the op and the backend.
 """
 
 from __future__ import annotations
@@ -38,13 +43,16 @@ class BoundOps:
         needed: the capabilities the model needs (from its family).
         force_reference: op names whose f32 reference must be used (config
             ``backend.force_reference``).
+        batch_invariant: bind only batch-invariant kernels (config ``runtime.batch_invariant``).
 
     Raises:
         ConfigError: ``force_reference`` names an op the model does not use.
-        KernelNotFound: a needed capability has no kernel on the backend.
+        KernelNotFound: a needed capability has no kernel on the backend (with
+            ``batch_invariant``: no batch-invariant kernel).
     """
 
-    def __init__(self, registry: KernelRegistry, backend: str, needed: Iterable[Capability], force_reference: Iterable[str] = ()):
+    def __init__(self, registry: KernelRegistry, backend: str, needed: Iterable[Capability], force_reference: Iterable[str] = (),
+                 batch_invariant: bool = False):
         needed = sorted(set(needed))
         forced = set(force_reference)
         ops_used = {c.op for c in needed}
@@ -55,7 +63,8 @@ class BoundOps:
                 f"unknown op(s) {', '.join(unknown)}; this model's ops are {', '.join(sorted(ops_used))}",
             )
         self.choices: dict[Capability, KernelChoice] = {
-            c: registry.lookup(c.op, backend, c.variant, force_reference=c.op in forced) for c in needed
+            c: registry.lookup(c.op, backend, c.variant, force_reference=c.op in forced, batch_invariant=batch_invariant)
+            for c in needed
         }
         self._by_format: dict[str, dict[str, Callable]] = {op: {} for op in WEIGHT_OPS}
         for cap, choice in self.choices.items():

@@ -6,6 +6,13 @@ registering costs no import of a device runtime. Duplicate registration raises u
 to another backend: a miss raises :class:`~zllm.spec.errors.KernelNotFound` listing what is
 registered for the op. The f32 references live under the pseudo-backend ``reference`` and
 are chosen only when the caller forces them (config ``backend.force_reference``).
+
+Batch invariance: a kernel registered with ``batch_invariant=True`` declares that each output
+row (token) is bit-identical whatever else is in the call — other sequences' rows, how many
+rows there are, where the row sits, and for attention how a sequence's queries were split
+into chunks. ``lookup(..., batch_invariant=True)`` (config ``runtime.batch_invariant``)
+considers only such kernels and raises :class:`~zllm.spec.errors.KernelNotFound` naming the
+op and backend when there is none; it never falls back to a batch-dependent kernel.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class KernelEntry:
     impl: Callable | str
     priority: int = 0
     registered_by: str = "unknown"
+    batch_invariant: bool = False
     # The imported callable, cached apart from ``impl`` so that ``name`` (shown by
     # ``--explain`` and in replacement logs) stays the reference the plugin registered.
     _resolved: Callable | None = attrs.field(default=None, init=False, repr=False)
@@ -78,15 +86,19 @@ class KernelRegistry:
         priority: int = 0,
         replace: bool = False,
         registered_by: str = "unknown",
+        batch_invariant: bool = False,
     ) -> None:
         """Register ``impl`` for ``op`` on ``backend`` for each format in ``formats``.
 
         Several kernels may share a key at different priorities (the highest wins).
+        ``batch_invariant`` declares the kernel batch-invariant (module docstring); such a
+        kernel is the only kind chosen in batch-invariant mode, so a backend whose fast
+        kernel is batch-dependent registers its invariant one at a lower priority.
 
         Raises:
             ValueError: a kernel with the same key and priority exists and ``replace`` is false.
         """
-        entry = KernelEntry(op, backend, tuple(formats), impl, priority, registered_by)
+        entry = KernelEntry(op, backend, tuple(formats), impl, priority, registered_by, batch_invariant)
         for fmt in entry.formats:
             slot = self._entries.setdefault((op, backend, fmt), [])
             clash = [e for e in slot if e.priority == priority]
@@ -104,9 +116,11 @@ class KernelRegistry:
             slot.append(entry)
             slot.sort(key=lambda e: -e.priority)
 
-    def registered(self, op: str) -> list[str]:
-        """``backend/format`` strings registered for ``op``, sorted."""
-        return sorted(f"{b}/{f}" for (o, b, f) in self._entries if o == op)
+    def registered(self, op: str, *, batch_invariant: bool = False) -> list[str]:
+        """``backend/format`` strings registered for ``op`` (only batch-invariant kernels
+        when ``batch_invariant``), sorted."""
+        return sorted(f"{b}/{f}" for (o, b, f), slot in self._entries.items()
+                      if o == op and slot and (not batch_invariant or any(e.batch_invariant for e in slot)))
 
     def has(self, op: str, backend: str, fmt: str) -> bool:
         return bool(self._entries.get((op, backend, fmt)))
@@ -119,19 +133,31 @@ class KernelRegistry:
                 seen.setdefault(id(e), e)
         return list(seen.values())
 
-    def lookup(self, op: str, backend: str, fmt: str, *, force_reference: bool = False) -> KernelChoice:
+    def lookup(self, op: str, backend: str, fmt: str, *, force_reference: bool = False,
+               batch_invariant: bool = False) -> KernelChoice:
         """The kernel for ``(op, backend, fmt)`` and why it was chosen.
 
         With ``force_reference`` the f32 reference registered under ``reference`` is
-        returned instead (the config asked for it by name).
+        returned instead (the config asked for it by name). With ``batch_invariant`` only
+        kernels registered as batch-invariant are candidates.
 
         Raises:
-            KernelNotFound: nothing is registered for the key.
+            KernelNotFound: nothing is registered for the key, or (``batch_invariant``)
+                nothing batch-invariant; the message names op, backend and format.
         """
         key_backend = REFERENCE_BACKEND if force_reference else backend
         slot = self._entries.get((op, key_backend, fmt))
         if not slot:
             raise KernelNotFound(op, key_backend, fmt, self.registered(op))
+        if batch_invariant:
+            slot = [e for e in slot if e.batch_invariant]
+            if not slot:
+                raise KernelNotFound(op, key_backend, fmt, self.registered(op, batch_invariant=True),
+                                     batch_invariant=True)
+            entry = slot[0]
+            return KernelChoice(entry.resolve(), entry,
+                                f"batch-invariant kernel for {op}/{key_backend}/{fmt} (runtime.batch_invariant; "
+                                f"by {entry.registered_by})")
         entry = slot[0]
         if force_reference:
             reason = f"f32 reference forced by config backend.force_reference (instead of backend {backend!r})"

@@ -4,6 +4,16 @@ Memory is ``num_layers`` pairs of ``[NB, BS, Hkv, D]`` tensors allocated once. A
 sequence holds an opaque :class:`SeqKV` handle; the cache hands out slots (``block * BS +
 offset``) for new tokens, which the attention kernel writes. No state is global: each
 engine owns its cache (vLLM's PagedAttention, Kwon et al. 2023).
+
+Sliding window: when every layer of the model attends only to the last ``W`` tokens
+(:attr:`PagedKVCache.sliding_window`, set by the model runner from the model's
+``KVCacheShape``), :meth:`PagedKVCache.append` first returns to the free list the blocks of
+the sequence that lie wholly before key ``num_tokens - W + 1`` — the oldest key the next
+query may read. Their block-table entries become -1 (the sliding attention kernels never
+read them) and ``SeqKV.num_evicted`` counts them. Such a sequence can only move forward:
+it can be freed but not truncated, so the prefix cache does not park it (see
+``zllm.runtime.scheduler.PrefixCache.park``). Models mixing full and sliding layers keep
+every block.
 """
 
 from __future__ import annotations
@@ -22,11 +32,12 @@ class OutOfKVBlocks(ZllmError):
 class SeqKV:
     """Opaque per-sequence handle: its block table and how many tokens are cached."""
 
-    __slots__ = ("blocks", "num_tokens")
+    __slots__ = ("blocks", "num_tokens", "num_evicted")
 
     def __init__(self) -> None:
-        self.blocks: list[int] = []
+        self.blocks: list[int] = []  # -1 where a sliding window freed the block
         self.num_tokens = 0
+        self.num_evicted = 0  # blocks freed because they fell out of the sliding window
 
 
 class PagedKVCache:
@@ -48,6 +59,15 @@ class PagedKVCache:
                        for _ in range(num_layers)]
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free = list(range(num_blocks - 1, -1, -1))
+        #: Window of a model whose every layer is sliding (see the module docstring); None keeps all blocks.
+        self.sliding_window: int | None = None
+
+    def _outside_window(self, seq: SeqKV) -> list[int]:
+        """Indices in ``seq.blocks`` of held blocks that end before key ``num_tokens - W + 1``."""
+        if self.sliding_window is None:
+            return []
+        dead = max(0, seq.num_tokens - self.sliding_window + 1) // self.block_size
+        return [i for i in range(min(dead, len(seq.blocks))) if seq.blocks[i] >= 0]
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,7 +78,7 @@ class PagedKVCache:
         return max(0, math.ceil((seq.num_tokens + num_new_tokens) / self.block_size) - len(seq.blocks))
 
     def can_append(self, seq: SeqKV, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+        return self.blocks_needed(seq, num_new_tokens) <= len(self._free) + len(self._outside_window(seq))
 
     def append(self, seq: SeqKV, num_new_tokens: int) -> list[int]:
         """Reserve slots for ``num_new_tokens`` new tokens of ``seq`` and return them.
@@ -66,6 +86,10 @@ class PagedKVCache:
         Raises:
             OutOfKVBlocks: the pool cannot hold them (nothing is reserved then).
         """
+        for i in self._outside_window(seq):
+            self._free.append(seq.blocks[i])
+            seq.blocks[i] = -1
+            seq.num_evicted += 1
         need = self.blocks_needed(seq, num_new_tokens)
         if need > len(self._free):
             raise OutOfKVBlocks(f"KV cache full: need {need} more blocks, {len(self._free)} free of {self.num_blocks}")
@@ -76,12 +100,18 @@ class PagedKVCache:
         return slots
 
     def truncate(self, seq: SeqKV, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` cached tokens of ``seq``; free blocks past them."""
+        """Keep the first ``num_tokens`` cached tokens of ``seq``; free blocks past them.
+
+        A sequence that lost blocks to a sliding window can only be freed (``num_tokens == 0``).
+        """
         assert 0 <= num_tokens <= seq.num_tokens
+        assert num_tokens == 0 or seq.num_evicted == 0, "cannot truncate a sequence whose window dropped blocks"
         keep = math.ceil(num_tokens / self.block_size)
-        self._free.extend(reversed(seq.blocks[keep:]))
+        self._free.extend(b for b in reversed(seq.blocks[keep:]) if b >= 0)
         del seq.blocks[keep:]
         seq.num_tokens = num_tokens
+        if num_tokens == 0:
+            seq.num_evicted = 0
 
     def free(self, seq: SeqKV) -> None:
         """Evict ``seq`` entirely."""

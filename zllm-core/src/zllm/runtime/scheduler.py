@@ -37,8 +37,12 @@ class PrefixCache:
         self._next = 0
 
     def park(self, token_ids: list[int], seq_kv: SeqKV) -> None:
-        """Keep ``seq_kv`` (which caches ``token_ids[:seq_kv.num_tokens]``) or free it."""
-        if self.capacity == 0 or seq_kv.num_tokens == 0:
+        """Keep ``seq_kv`` (which caches ``token_ids[:seq_kv.num_tokens]``) or free it.
+
+        A sequence whose sliding window already freed blocks is freed, not parked: a later
+        prompt sharing only part of it would need keys that are gone.
+        """
+        if self.capacity == 0 or seq_kv.num_tokens == 0 or seq_kv.num_evicted:
             self.kv.free(seq_kv)
             return
         self._entries[self._next] = (token_ids[: seq_kv.num_tokens], seq_kv)

@@ -15,8 +15,10 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       kv_cache: {block_size: 16, num_blocks: null}
       max_num_seqs: 8
       max_prefill_tokens: 512
+      max_batch_tokens: null      # null = max_num_seqs + max_prefill_tokens
       context_length: null
       prefix_cache_seqs: 4
+      batch_invariant: false
     generation: {prompt: "", max_new_tokens: 256, temperature: 0.0, ...}
     server: {host: 127.0.0.1, port: 8000, model_name: null}
 
@@ -229,23 +231,58 @@ class KvCacheConfig:
     num_blocks: int | None = _config_field(POSITIVE_INT.or_null(), None)
 
 
+def _check_max_batch_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    # A step carries a Decode Round of up to max_num_seqs - 1 sequences next to the one
+    # sequence in prefill; the budget must leave that chunk at least one token.
+    if value is not None and _is_int(value) and value < instance.max_num_seqs:
+        raise ConfigError(_key_path(type(instance), attribute.name),
+                          f"expected an int >= runtime.max_num_seqs ({instance.max_num_seqs}) or null, got {value}")
+
+
 @attrs.frozen
 class RuntimeConfig:
-    """``runtime:`` — scheduling limits.
+    """``runtime:`` — scheduling limits (policy: :mod:`zllm.runtime.scheduler`).
 
     Attributes:
         kv_cache: see :class:`KvCacheConfig`.
         max_num_seqs: sequences running at once, >= 1.
         max_prefill_tokens: tokens per prefill chunk (chunked prefill), >= 1.
+        max_batch_tokens: tokens computed in one step: the Decode Round (one token for every
+            running sequence in decode) plus at most one prefill chunk of
+            ``min(max_prefill_tokens, max_batch_tokens - decodes)`` tokens, so a long prompt
+            is interleaved with running streams rather than stalling them. >=
+            ``max_num_seqs``; ``None`` = ``max_num_seqs + max_prefill_tokens`` (decodes
+            never shorten a chunk).
         context_length: tokens per sequence, >= 1; ``None`` = the model's own.
         prefix_cache_seqs: finished sequences whose KV is kept for prefix reuse, >= 0.
+        batch_invariant: ``true`` binds only kernels declared batch-invariant (each token's
+            numbers are bit-identical whatever else runs in the batch: other sequences, row
+            count, row position, how a prompt was chunked, prefix reuse, recompute after
+            preemption), so a request's tokens never depend on its batch-mates. A backend
+            without a batch-invariant kernel for a needed op fails the load naming op and
+            backend. ``false`` (default) uses the fastest kernels: results are reproducible
+            for the same batch composition and seed, but on CPU a matmul's rounding changes
+            with the number of rows (f32 ``[1, K]`` vs ``[16, K]`` against the same weight:
+            row 0 differs by up to 3e-6 at K = 64, 3e-5 at K = 512, 5e-5 at K = 1376), which
+            can flip a near-tie. Cost on the CPU backend: see ``docs/server.md``
+            ("Batch-invariant mode").
     """
 
     kv_cache: KvCacheConfig = attrs.Factory(KvCacheConfig)
     max_num_seqs: int = _config_field(POSITIVE_INT, 8)
     max_prefill_tokens: int = _config_field(POSITIVE_INT, 512)
+    max_batch_tokens: int | None = attrs.field(
+        default=None,
+        validator=[_config_field(POSITIVE_INT.or_null()).validator, _check_max_batch_tokens],
+    )
     context_length: int | None = _config_field(POSITIVE_INT.or_null(), None)
     prefix_cache_seqs: int = _config_field(NON_NEGATIVE_INT, 4)
+    batch_invariant: bool = _config_field(Check("true or false", lambda v: isinstance(v, bool)), False)
+
+    @property
+    def step_token_budget(self) -> int:
+        """``max_batch_tokens`` with its default resolved."""
+        return self.max_batch_tokens if self.max_batch_tokens is not None else self.max_num_seqs + self.max_prefill_tokens
 
 
 @attrs.frozen

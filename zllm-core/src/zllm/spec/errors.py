@@ -76,9 +76,16 @@ class CapabilityError(ZllmError):
 class KernelNotFound(ZllmError):
     """No kernel is registered for (op, backend, format). ``registered`` lists what exists for op."""
 
-    def __init__(self, op: str, backend: str, fmt: str, registered: list[str]):
+    def __init__(self, op: str, backend: str, fmt: str, registered: list[str], batch_invariant: bool = False):
         self.op, self.backend, self.fmt, self.registered = op, backend, fmt, registered
+        self.batch_invariant = batch_invariant
         have = ", ".join(registered) if registered else "nothing"
+        if batch_invariant:
+            super().__init__(
+                f"no batch-invariant kernel {op!r} for backend {backend!r} and format {fmt!r} "
+                f"(runtime.batch_invariant is true); batch-invariant kernels for {op!r}: {have}"
+            )
+            return
         super().__init__(f"no kernel {op!r} for backend {backend!r} and format {fmt!r}; registered for {op!r}: {have}")
 
 

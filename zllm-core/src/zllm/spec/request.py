@@ -9,8 +9,11 @@ leaves out (or sets to ``null``) from the config's ``generation:`` section
 =====================  =================================  ====================================
 field                  type and range                     default from ``generation:``
 =====================  =================================  ====================================
-prompt                 string                             — (exactly one of prompt and
-prompt_token_ids       non-empty list of ints >= 0        prompt_token_ids is required)
+prompt                 string                             — (exactly one of prompt,
+prompt_token_ids       non-empty list of ints >= 0        prompt_token_ids and messages
+messages               non-empty list of {role, content}  is required)
+                       objects: role one of system, user,
+                       assistant, tool; content a string
 max_tokens             int >= 1                           max_new_tokens
 temperature            number >= 0; 0 = greedy            temperature
 top_p                  number in (0, 1]                   top_p
@@ -28,7 +31,9 @@ ignore_eos             bool; true = EOS ids do not stop  — (false)
                        (only stop / stop_token_ids do)
 =====================  =================================  ====================================
 
-``true``/``false`` are never accepted as numbers. Streaming is not a request field: the
+``messages`` is a conversation that the model's chat template turns into the prompt (the
+engine ends it with the template's generation prompt); special-token text inside a message's
+content stays plain text. ``true``/``false`` are never accepted as numbers. Streaming is not a request field: the
 caller picks it by API (``Engine.generate`` vs ``Engine.generate_stream``, SSE vs plain HTTP).
 
 A result is :func:`make_response`; a stream is :func:`make_delta_event` events followed by
@@ -85,6 +90,56 @@ def _request_field(check: Check, default: Any = attrs.NOTHING, converter: Callab
 
 
 BOOL = Check("true or false", lambda v: isinstance(v, bool))
+
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+_MESSAGE_KEYS = ("role", "content")
+
+
+@attrs.frozen
+class ChatMessage:
+    """One message of a conversation: ``role`` in :data:`CHAT_ROLES`, text ``content``."""
+
+    role: str
+    content: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+def _to_messages(v: Any) -> Any:
+    """Check a ``messages`` value and turn it into a tuple of :class:`ChatMessage`.
+
+    Raises:
+        RequestError: naming ``messages``, ``messages[i]`` or ``messages[i].key``.
+    """
+    if v is None or (isinstance(v, tuple) and all(isinstance(m, ChatMessage) for m in v) and v):
+        return v
+    if not isinstance(v, (list, tuple)) or not v:
+        raise RequestError("messages", f"expected a non-empty list of {{role, content}} objects, got {_short(v)}")
+    out = []
+    for i, m in enumerate(v):
+        if isinstance(m, ChatMessage):
+            out.append(m)
+            continue
+        if not isinstance(m, Mapping):
+            raise RequestError(f"messages[{i}]", f"expected an object with role and content, got {_short(m)}")
+        for key in m:
+            if key not in _MESSAGE_KEYS:
+                raise RequestError(f"messages[{i}].{key}", unknown_name_message("key", key, _MESSAGE_KEYS))
+        for key in _MESSAGE_KEYS:
+            if key not in m:
+                raise RequestError(f"messages[{i}].{key}", "is required")
+        if m["role"] not in CHAT_ROLES:
+            raise RequestError(f"messages[{i}].role", f"expected one of {', '.join(CHAT_ROLES)}, got {_short(m['role'])}")
+        if not isinstance(m["content"], str):
+            raise RequestError(f"messages[{i}].content", f"expected a string, got {_short(m['content'])}")
+        out.append(ChatMessage(m["role"], m["content"]))
+    return tuple(out)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 REQUEST_STOP = Check(f"a non-empty string or {STOP.expect}", STOP.ok)
 
 
@@ -103,12 +158,13 @@ class GenerationRequest:
 
     Raises:
         RequestError: from the constructor (and ``attrs.evolve``), naming the first bad
-            field; ``prompt`` when neither or both of ``prompt`` and ``prompt_token_ids``
-            are given.
+            field; ``prompt`` when not exactly one of ``prompt``, ``prompt_token_ids`` and
+            ``messages`` is given.
     """
 
     prompt: str | None = _request_field(STR.or_null(), None)
     prompt_token_ids: tuple[int, ...] | None = _request_field(PROMPT_TOKEN_IDS.or_null(), None, converter=to_tuple)
+    messages: tuple[ChatMessage, ...] | None = attrs.field(default=None, converter=_to_messages)
     max_tokens: int = _request_field(POSITIVE_INT)
     temperature: float = _request_field(TEMPERATURE, converter=to_float)
     top_p: float = _request_field(TOP_P, converter=to_float)
@@ -124,10 +180,16 @@ class GenerationRequest:
     ignore_eos: bool = _request_field(BOOL, False)
 
     def __attrs_post_init__(self) -> None:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            given = "both were given" if self.prompt is not None else "neither was given"
-            raise RequestError("prompt", f"give exactly one of prompt (a string) or prompt_token_ids; {given}")
+        given = [name for name in _PROMPT_FORMS if getattr(self, name) is not None]
+        if len(given) != 1:
+            # The wording ("neither" / "both") is pinned by tests/spec/test_request_contract.py.
+            got = f"{' and '.join(given)}: {'both' if len(given) == 2 else 'all three'} were given" if given else "neither was given"
+            raise RequestError(
+                "prompt", f"give exactly one of prompt (a string), prompt_token_ids or messages; {got}"
+            )
 
+
+_PROMPT_FORMS = ("prompt", "prompt_token_ids", "messages")
 
 # Request field -> GenerationDefaults attribute that fills it when the request leaves it out.
 _DEFAULTED_FIELDS = {
@@ -146,7 +208,7 @@ _DEFAULTED_FIELDS = {
 }
 _ALIASES = {"add_special_tokens": "add_bos"}  # vLLM's and HF's name for the same switch
 _ACCEPTED_FIELDS = tuple(f.name for f in attrs.fields(GenerationRequest)) + tuple(_ALIASES)
-assert set(_DEFAULTED_FIELDS) | {"prompt", "prompt_token_ids", "ignore_eos"} == {f.name for f in attrs.fields(GenerationRequest)}
+assert set(_DEFAULTED_FIELDS) | {*_PROMPT_FORMS, "ignore_eos"} == {f.name for f in attrs.fields(GenerationRequest)}
 
 
 def parse_request(data: Mapping[str, Any], defaults: GenerationDefaults) -> GenerationRequest:
@@ -164,7 +226,8 @@ def parse_request(data: Mapping[str, Any], defaults: GenerationDefaults) -> Gene
         RequestError: naming the field: an unknown field (with a did-you-mean and the valid
             fields), a wrong type or out-of-range value (with the expected type and range),
             both ``add_bos`` and its alias ``add_special_tokens``, or not exactly one of
-            ``prompt`` and ``prompt_token_ids``. A non-object ``data`` names field ``""``.
+            ``prompt``, ``prompt_token_ids`` and ``messages``; a bad message names
+            ``messages[i]`` or ``messages[i].role`` / ``.content``. A non-object ``data`` names field ``""``.
     """
     if not isinstance(data, Mapping):
         raise RequestError("", f"expected a JSON object, got {type(data).__name__}")

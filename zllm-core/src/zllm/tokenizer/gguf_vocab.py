@@ -1,7 +1,8 @@
 """GGUF vocabularies → ``tokenizers`` objects that reproduce llama.cpp's tokenizers.
 
-Only ``tokenizer.ggml.model = "llama"`` (SentencePiece BPE, llama.cpp's ``LLAMA_VOCAB_TYPE_SPM``)
-is supported. llama.cpp's SPM tokenizer (``src/llama-vocab.cpp``, ``llm_tokenizer_spm_session``)
+Two vocabulary types are supported: ``tokenizer.ggml.model = "llama"`` (SentencePiece BPE,
+llama.cpp's ``LLAMA_VOCAB_TYPE_SPM``) and ``"gpt2"`` (byte-level BPE, ``LLAMA_VOCAB_TYPE_BPE``;
+see :func:`_bpe_vocab`). llama.cpp's SPM tokenizer (``src/llama-vocab.cpp``, ``llm_tokenizer_spm_session``)
 works like SentencePiece's BPE model:
 
 1. Split special tokens out of the raw text first (``tokenizer_st_partition``): user-defined
@@ -25,13 +26,54 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, decoders, normalizers
+import attrs
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from zllm.spec.errors import CheckpointError
 
-SUPPORTED_GGUF_TOKENIZER_MODELS = ("llama",)
+SUPPORTED_GGUF_TOKENIZER_MODELS = ("llama", "gpt2")
+
+# The GPT-2 pre-tokenizer regex as llama.cpp writes it (llm_tokenizer_bpe, case
+# LLAMA_VOCAB_PRE_TYPE_GPT2/MPT/OLMO/JAIS). OpenAI's original ends with ``|\s+``; llama.cpp
+# keeps unmatched text as its own piece, so dropping that alternative changes no split.
+GPT2_PRE_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+
+
+@attrs.frozen
+class BPEPreTokenizer:
+    """What a ``tokenizer.ggml.pre`` value selects in llama.cpp (``llama_vocab::impl::load``
+    maps the name to a pre type and its flags; ``llm_tokenizer_bpe``'s constructor maps the pre
+    type to regexes, applied one after another, each splitting the pieces of the one before and
+    keeping unmatched text as pieces).
+
+    Attributes:
+        regexes: the split regexes, in order.
+        add_bos: llama.cpp's ``add_bos`` default for this type, used when the file has no
+            ``tokenizer.ggml.add_bos_token`` key (``false`` for BPE vocabularies unless the
+            type sets it, as llama3 and tekken do).
+        verified_by: the llama.cpp test vectors (``ggml-vocab-NAME.gguf.inp/.out``) that
+            zllm's tests reproduce through this entry.
+    """
+
+    regexes: tuple[str, ...]
+    add_bos: bool
+    verified_by: str
+
+
+# Only the pre types whose vectors zllm's tests reproduce exactly. Names llama.cpp maps to the
+# same pre type without changing any flag that affects encoding share an entry (llama-vocab.cpp:
+# "gpt-2", "phi-2" → GPT2; "mpt" → MPT; "olmo" → OLMO; "jais" → JAIS; all four use the GPT-2
+# regex above). Others (llama-bpe/llama3, qwen2, default, ...) raise a CheckpointError naming
+# the value until a vocabulary file with vectors verifies them.
+BPE_PRE_TOKENIZERS: dict[str, BPEPreTokenizer] = {
+    "gpt-2": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
+    "phi-2": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
+    "mpt": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="mpt"),
+    "olmo": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
+    "jais": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
+}
 
 # llama.cpp's llama_token_type / LLAMA_TOKEN_ATTR_* values as stored in tokenizer.ggml.token_type
 # (gguf-py: gguf.constants.TokenType).
@@ -49,16 +91,21 @@ class GGUFVocab:
 
     Attributes:
         hf: the ``tokenizers.Tokenizer`` (no post-processor: BOS/EOS are the caller's job).
-        bos_token_id, eos_token_ids, add_bos, add_eos: as llama.cpp reads them, with its SPM
-            defaults when a key is absent (bos 1, eos 2, add_bos true, add_eos false).
+        bos_token_id, eos_token_ids, add_bos, add_eos: as llama.cpp reads them, with its
+            defaults when a key is absent (SPM: bos 1, eos 2, add_bos true, add_eos false;
+            BPE: see :func:`_bpe_vocab`).
+        chat_templates: ``tokenizer.chat_template`` as ``"default"`` and every
+            ``tokenizer.chat_template.NAME`` as ``NAME``; empty when the file has none.
     """
 
-    def __init__(self, hf: HFTokenizer, bos_token_id: int | None, eos_token_ids: tuple[int, ...], add_bos: bool, add_eos: bool):
+    def __init__(self, hf: HFTokenizer, bos_token_id: int | None, eos_token_ids: tuple[int, ...], add_bos: bool,
+                 add_eos: bool, chat_templates: dict[str, str] | None = None):
         self.hf = hf
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.add_bos = add_bos
         self.add_eos = add_eos
+        self.chat_templates = dict(chat_templates or {})
 
 
 def _key(meta: Mapping[str, Any], key: str, source: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -88,46 +135,165 @@ def vocab_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> GGUFVocab:
             f"unsupported tokenizer.ggml.model {model!r}; supported: "
             + ", ".join(repr(m) for m in SUPPORTED_GGUF_TOKENIZER_MODELS),
         )
-    return _spm_vocab(meta, source)
+    vocab = _bpe_vocab(meta, source) if model == "gpt2" else _spm_vocab(meta, source)
+    vocab.chat_templates = _chat_templates(meta, source)
+    return vocab
 
 
-def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def _chat_templates(meta: Mapping[str, Any], source: str) -> dict[str, str]:
+    """``tokenizer.chat_template`` (as ``"default"``) and ``tokenizer.chat_template.NAME`` keys
+    (llama.cpp's ``LLM_KV_TOKENIZER_CHAT_TEMPLATE`` with an optional name suffix)."""
+    templates: dict[str, str] = {}
+    for key in meta:
+        if key == CHAT_TEMPLATE_KEY or key.startswith(CHAT_TEMPLATE_KEY + "."):
+            name = key[len(CHAT_TEMPLATE_KEY) + 1 :] or "default"
+            templates[name] = _key(meta, key, source, str)
+    return templates
+
+
+def _token_table(meta: Mapping[str, Any], source: str) -> tuple[list[str], list[int], dict[str, int]]:
+    """Tokens, token types (llama.cpp treats a missing list as all normal) and text → id.
+
+    Raises:
+        CheckpointError: no tokens, lists of different lengths, a token text given twice.
+    """
     tokens = _key(meta, "tokenizer.ggml.tokens", source, list)
     if not tokens:
         raise CheckpointError(source, "'tokenizer.ggml.tokens' is missing or empty")
-    scores = _key(meta, "tokenizer.ggml.scores", source, list)
-    if scores is None:
-        # SentencePiece BPE merge order is the piece score; without scores there is no model.
-        raise CheckpointError(source, "'tokenizer.ggml.scores' is missing; a llama (SentencePiece) vocabulary needs it")
-    # llama.cpp treats a missing type list as all-normal tokens (llama_vocab::impl::load).
     types = _key(meta, "tokenizer.ggml.token_type", source, list, [TOKEN_TYPE_NORMAL] * len(tokens))
-    if not len(tokens) == len(scores) == len(types):
-        raise CheckpointError(
-            source, f"token lists disagree: {len(tokens)} tokens, {len(scores)} scores, {len(types)} token types"
-        )
+    if len(types) != len(tokens):
+        raise CheckpointError(source, f"token lists disagree: {len(tokens)} tokens, {len(types)} token types")
     vocab: dict[str, int] = {}
     for i, text in enumerate(tokens):
         if text in vocab:
             raise CheckpointError(source, f"token text {text!r} appears twice (ids {vocab[text]} and {i})")
         vocab[text] = i
+    return tokens, types, vocab
 
-    n = len(tokens)
-    # Defaults for SPM vocabularies: llama_vocab::impl::load, LLAMA_VOCAB_TYPE_SPM branch.
-    bos_id = _key(meta, "tokenizer.ggml.bos_token_id", source, int, 1)
-    eos_id = _key(meta, "tokenizer.ggml.eos_token_id", source, int, 2)
-    unk_id = _key(meta, "tokenizer.ggml.unknown_token_id", source, int, 0)
-    add_bos = _key(meta, "tokenizer.ggml.add_bos_token", source, bool, True)
-    add_eos = _key(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
-    add_space_prefix = _key(meta, "tokenizer.ggml.add_space_prefix", source, bool, True)
-    for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id)):
-        if not 0 <= tid < n:
-            raise CheckpointError(source, f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary (0..{n - 1})")
+
+def _add_typed_tokens(hf: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control and unknown tokens are special (skipped when decoding, text unless
+    parse_special); user-defined tokens are always split out and always rendered (llama.cpp
+    token attributes; its ``tokenizer_st_partition`` matches their raw text)."""
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, t in enumerate(types)
+        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(types)
+        if t == TOKEN_TYPE_USER_DEFINED
+    ]
+    hf.add_special_tokens(special)
+    hf.add_tokens(user)
+
+
+def _special_id(meta: Mapping[str, Any], key: str, source: str, n: int, default: int | None) -> int | None:
+    tid = _key(meta, key, source, int, default)
+    if tid is not None and not 0 <= tid < n:
+        raise CheckpointError(source, f"{key} {tid} is outside the vocabulary (0..{n - 1})")
+    return tid
+
+
+def _end_ids(meta: Mapping[str, Any], source: str, n: int, eos_id: int | None) -> tuple[int, ...]:
     # End-of-turn / end-of-message ids also end generation (llama.cpp's end-of-generation set).
-    eos_ids = [eos_id]
+    eos_ids = [] if eos_id is None else [eos_id]
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         extra = _key(meta, key, source, int)
         if extra is not None and 0 <= extra < n and extra not in eos_ids:
             eos_ids.append(extra)
+    return tuple(eos_ids)
+
+
+def _bpe_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
+    """A byte-level BPE vocabulary (``tokenizer.ggml.model = "gpt2"``), as llama.cpp's
+    ``llm_tokenizer_bpe_session::tokenize`` runs it:
+
+    1. Split special tokens out first (as for SPM: user-defined always, control only when
+       special-token parsing is on).
+    2. Split each fragment with the regexes of its ``tokenizer.ggml.pre`` type
+       (:data:`BPE_PRE_TOKENIZERS`), then map each piece's UTF-8 bytes to GPT-2's printable
+       byte alphabet (``Ġ`` for a space).
+    3. Merge pairs by ``tokenizer.ggml.merges`` rank (``"left right"``, split at the first
+       space after the first character, as llama.cpp does).
+
+    Steps 2-3 are ``tokenizers``' Split + ByteLevel pre-tokenizers and a BPE model; the
+    ByteLevel decoder maps bytes back and decodes UTF-8 (invalid bytes → U+FFFD).
+
+    Defaults when keys are absent (llama_vocab::impl::load): add_bos false unless the pre type
+    sets it, add_eos false. llama.cpp defaults a BPE vocabulary's BOS and EOS ids to 11 (a
+    placeholder from GPT-NeoX times); zllm takes no BOS and no EOS instead, since token 11 of
+    an arbitrary vocabulary would stop generation at a random word.
+
+    Raises:
+        CheckpointError: no merges, no or an unsupported ``tokenizer.ggml.pre`` (the message
+            names it and lists the supported ones), bad token lists or special ids.
+    """
+    supported = ", ".join(repr(p) for p in BPE_PRE_TOKENIZERS)
+    pre_name = _key(meta, "tokenizer.ggml.pre", source, str)
+    if pre_name is None:
+        raise CheckpointError(
+            source,
+            "byte-level BPE vocabulary without a 'tokenizer.ggml.pre' key; llama.cpp would fall back to its "
+            f"'default' regexes, which zllm has not verified; supported pre-tokenizer types: {supported}",
+        )
+    pre = BPE_PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        raise CheckpointError(
+            source, f"unknown pre-tokenizer type tokenizer.ggml.pre {pre_name!r}; supported: {supported}"
+        )
+    tokens, types, vocab = _token_table(meta, source)
+    raw_merges = _key(meta, "tokenizer.ggml.merges", source, list)
+    if not raw_merges:
+        raise CheckpointError(source, "'tokenizer.ggml.merges' is missing or empty; a gpt2 (BPE) vocabulary needs it")
+    merges: list[tuple[str, str]] = []
+    for rank, merge in enumerate(raw_merges):
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise CheckpointError(source, f"tokenizer.ggml.merges[{rank}] {merge!r} is not 'left right'")
+        merges.append((merge[:cut], merge[cut + 1 :]))
+
+    n = len(tokens)
+    bos_id = _special_id(meta, "tokenizer.ggml.bos_token_id", source, n, None)
+    eos_id = _special_id(meta, "tokenizer.ggml.eos_token_id", source, n, None)
+    add_bos = _key(meta, "tokenizer.ggml.add_bos_token", source, bool, pre.add_bos)
+    add_eos = _key(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
+
+    hf = HFTokenizer(BPE(vocab=vocab, merges=merges))
+    hf.normalizer = None
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    hf.decoder = decoders.ByteLevel()
+    _add_typed_tokens(hf, tokens, types)
+    return GGUFVocab(hf, bos_id, _end_ids(meta, source, n, eos_id), add_bos, add_eos)
+
+
+def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
+    tokens, types, vocab = _token_table(meta, source)
+    scores = _key(meta, "tokenizer.ggml.scores", source, list)
+    if scores is None:
+        # SentencePiece BPE merge order is the piece score; without scores there is no model.
+        raise CheckpointError(source, "'tokenizer.ggml.scores' is missing; a llama (SentencePiece) vocabulary needs it")
+    if len(scores) != len(tokens):
+        raise CheckpointError(
+            source, f"token lists disagree: {len(tokens)} tokens, {len(scores)} scores, {len(types)} token types"
+        )
+
+    n = len(tokens)
+    # Defaults for SPM vocabularies: llama_vocab::impl::load, LLAMA_VOCAB_TYPE_SPM branch.
+    bos_id = _special_id(meta, "tokenizer.ggml.bos_token_id", source, n, 1)
+    eos_id = _special_id(meta, "tokenizer.ggml.eos_token_id", source, n, 2)
+    unk_id = _special_id(meta, "tokenizer.ggml.unknown_token_id", source, n, 0)
+    add_bos = _key(meta, "tokenizer.ggml.add_bos_token", source, bool, True)
+    add_eos = _key(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
+    add_space_prefix = _key(meta, "tokenizer.ggml.add_space_prefix", source, bool, True)
+    eos_ids = _end_ids(meta, source, n, eos_id)
 
     has_bytes = any(t == TOKEN_TYPE_BYTE for t in types)
     bpe = BPE(
@@ -148,21 +314,8 @@ def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
         dec.append(decoders.Strip(content=" ", left=1, right=0))
     hf.decoder = decoders.Sequence(dec)
 
-    # Control and unknown tokens are special (skipped when decoding, text unless parse_special);
-    # user-defined tokens are always split out and always rendered (llama.cpp token attributes).
-    special = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(types)
-        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
-    ]
-    user = [
-        AddedToken(tokens[i], special=False, normalized=False)
-        for i, t in enumerate(types)
-        if t == TOKEN_TYPE_USER_DEFINED
-    ]
-    hf.add_special_tokens(special)
-    hf.add_tokens(user)
-    return GGUFVocab(hf, bos_id, tuple(eos_ids), add_bos, add_eos)
+    _add_typed_tokens(hf, tokens, types)
+    return GGUFVocab(hf, bos_id, eos_ids, add_bos, add_eos)
 
 
 def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:

@@ -5,6 +5,9 @@ BOS/EOS itself from explicit ``add_bos``/``add_eos`` flags, so both paths share 
 
 Special-token text typed by a user (``"</s>"``) is plain text unless ``parse_special=True``,
 as in llama.cpp (``parse_special``) and transformers (``split_special_tokens=True``).
+
+Chat templates (Jinja source text) travel with the tokenizer; :mod:`zllm.tokenizer.chat`
+renders them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class Tokenizer:
         add_bos, add_eos: whether ``encode(..., add_special_tokens=True)`` adds them.
         special_token_ids: ids of special (control) tokens, which ``skip_special_tokens`` drops.
         byte_fallback_ids: ids of the ``<0xXX>`` byte tokens of a byte-fallback BPE model.
+        chat_template: the default chat template (Jinja source), or ``None``.
+        chat_templates: every named chat template (``"default"`` included when there is one).
+        bos_token, eos_token: the text of the BOS / first EOS token (what templates see as
+            ``bos_token`` / ``eos_token``), or ``None``.
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class Tokenizer:
         eos_token_ids: tuple[int, ...],
         add_bos: bool,
         add_eos: bool,
+        chat_templates: Mapping[str, str] | None = None,
     ):
         """Wrap ``hf``, taking ownership: its post-processor is removed, since BOS/EOS are added
         here from ``add_bos``/``add_eos``. Prefer the ``from_*`` constructors.
@@ -77,6 +85,7 @@ class Tokenizer:
         if isinstance(hf.model, BPE) and hf.model.byte_fallback:
             byte_ids = {hf.token_to_id(f"<0x{b:02X}>") for b in range(256)} - {None} - self._special_ids
         self._byte_ids = frozenset(byte_ids)
+        self._chat_templates = dict(chat_templates or {})
 
     # -- constructors ------------------------------------------------------------------------
 
@@ -86,6 +95,7 @@ class Tokenizer:
         tokenizer_json: Path | str,
         tokenizer_config: Mapping[str, Any] | None = None,
         generation_config: Mapping[str, Any] | None = None,
+        chat_template_files: Mapping[str, str] | None = None,
     ) -> Tokenizer:
         """Load an HF ``tokenizer.json`` with the contents of its sibling config files.
 
@@ -97,15 +107,21 @@ class Tokenizer:
         ``generation_config.json`` (int or list) adds stop ids after the tokenizer's EOS.
         transformers' ``clean_up_tokenization_spaces`` is not applied by :meth:`decode`.
 
+        Chat templates, as transformers 5 loads them: the checkpoint's template files when
+        there are any (``chat_template.jinja`` is ``"default"``,
+        ``additional_chat_templates/NAME.jinja`` is ``NAME``), else ``chat_template`` of
+        ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}``).
+
         Args:
             tokenizer_json: path of ``tokenizer.json``.
             tokenizer_config: parsed ``tokenizer_config.json``, if the checkpoint has one.
             generation_config: parsed ``generation_config.json``, if the checkpoint has one.
+            chat_template_files: template name → text of the checkpoint's ``.jinja`` files.
 
         Raises:
             CheckpointError: the file is missing or unreadable, its post-processor is of a
-                type that does more than add special tokens, or a named special token is not
-                in the vocabulary.
+                type that does more than add special tokens, a named special token is not
+                in the vocabulary, or ``chat_template`` has the wrong shape.
         """
         path = str(tokenizer_json)
         try:
@@ -143,7 +159,9 @@ class Tokenizer:
 
         add_bos = _template_flag(config, "add_bos_token", prefix, bos, "before", path)
         add_eos = _template_flag(config, "add_eos_token", suffix, eos, "after", path)
-        return cls(hf, source=path, bos_token_id=bos, eos_token_ids=tuple(eos_ids), add_bos=add_bos, add_eos=add_eos)
+        templates = dict(chat_template_files or {}) or _config_chat_templates(config.get("chat_template"), path)
+        return cls(hf, source=path, bos_token_id=bos, eos_token_ids=tuple(eos_ids), add_bos=add_bos, add_eos=add_eos,
+                   chat_templates=templates)
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str) -> Tokenizer:
@@ -159,7 +177,8 @@ class Tokenizer:
         """
         v = vocab_from_gguf_metadata(meta, source)
         return cls(
-            v.hf, source=source, bos_token_id=v.bos_token_id, eos_token_ids=v.eos_token_ids, add_bos=v.add_bos, add_eos=v.add_eos
+            v.hf, source=source, bos_token_id=v.bos_token_id, eos_token_ids=v.eos_token_ids, add_bos=v.add_bos,
+            add_eos=v.add_eos, chat_templates=v.chat_templates,
         )
 
     @classmethod
@@ -202,6 +221,29 @@ class Tokenizer:
                 ids.insert(0, self._bos)
             if self._add_eos:
                 ids.append(self._eos[0])
+        return ids
+
+    def encode_keeping_plain(self, text: str, plain_spans: Sequence[tuple[int, int]]) -> list[int]:
+        """Token ids of ``text`` with special-token text parsed, except inside ``plain_spans``.
+
+        A special token whose text overlaps a span ``[start, end)`` (character offsets) stays
+        plain text; the text between the special tokens that are kept is encoded as by
+        ``encode(..., parse_special=False)``. No BOS/EOS is added. With no overlap this equals
+        ``encode(text, add_special_tokens=False, parse_special=True)`` up to added tokens with
+        ``lstrip``/``rstrip``, which GGUF vocabularies never have.
+        """
+        enc = self._hf.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        pos = 0
+        for tid, (start, end) in zip(enc.ids, enc.offsets):
+            if tid not in self._special_ids or any(start < b and a < end for a, b in plain_spans):
+                continue
+            if start > pos:
+                ids += self._hf_text_specials.encode(text[pos:start], add_special_tokens=False).ids
+            ids.append(tid)
+            pos = end
+        if pos < len(text):
+            ids += self._hf_text_specials.encode(text[pos:], add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -259,8 +301,49 @@ class Tokenizer:
     def byte_fallback_ids(self) -> frozenset[int]:
         return self._byte_ids
 
+    @property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The text of every special token (what ``parse_special`` turns into an id)."""
+        return tuple(self._hf.id_to_token(i) for i in sorted(self._special_ids))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_templates.get("default")
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        return dict(self._chat_templates)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self._bos is None else self._hf.id_to_token(self._bos)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._hf.id_to_token(self._eos[0]) if self._eos else None
+
     def __repr__(self) -> str:
         return f"Tokenizer(source={self._source!r}, vocab_size={self._vocab_size})"
+
+
+def _config_chat_templates(value: Any, path: str) -> dict[str, str]:
+    """``chat_template`` of ``tokenizer_config.json``: a string (the default template) or a list
+    of ``{"name": ..., "template": ...}`` (transformers' multi-template form).
+
+    Raises:
+        CheckpointError: any other shape.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(
+        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
+    ):
+        return {t["name"]: t["template"] for t in value}
+    raise CheckpointError(
+        path, "tokenizer_config chat_template must be a string or a list of {\"name\": ..., \"template\": ...} objects"
+    )
 
 
 def _template_flag(

@@ -1,14 +1,45 @@
 """Weight formats: the names zllm uses for dense dtypes and quantized block layouts.
 
 A *format* is the storage of one weight tensor: a dense torch dtype (``f32``, ``f16``,
-``bf16``) or a GGUF block-quantized layout (``q8_0``, ``q4_0``). Block layouts follow
-ggml (``ggml/src/ggml-common.h``):
+``bf16``) or a GGUF block-quantized layout (``q8_0``, ``q4_0``, the k-quants ``q2_k`` …
+``q6_k``). Block layouts follow ggml (``ggml/src/ggml-common.h``); all multi-byte fields
+are little endian:
 
 - ``q8_0``: 32 weights per block, 34 bytes = f16 scale ``d`` + 32 x int8 ``qs``;
   ``w[i] = d * qs[i]``.
 - ``q4_0``: 32 weights per block, 18 bytes = f16 scale ``d`` + 16 bytes ``qs``; byte ``j``
   holds weight ``j`` in its low nibble and weight ``j + 16`` in its high nibble;
   ``w = d * (nibble - 8)``.
+
+K-quants (``block_q*_K``) use a *super-block* of ``QK_K = 256`` weights split into
+sub-blocks (16 of 16 weights or 8 of 32), each with its own small integer scale (and min)
+that multiplies the super-block's f16 ``d`` (and ``dmin``). ``sub(i)`` below is the sub-block
+of weight ``i``; ``q`` is the weight's quantized integer:
+
+- ``q2_k``: 84 bytes = ``scales[16]`` (byte ``s``: low nibble = scale, high nibble = min of
+  sub-block ``s`` of 16 weights) + ``qs[64]`` (2-bit ``q``) + f16 ``d`` + f16 ``dmin``.
+  Weights ``128*h + 32*j + l`` (half ``h``, ``j`` in 0..3, ``l`` in 0..31) sit in bits
+  ``2j, 2j+1`` of ``qs[32*h + l]``. ``w = d * scale * q - dmin * min``.
+- ``q3_k``: 110 bytes = ``hmask[32]`` + ``qs[64]`` (low 2 bits, placed as in ``q2_k``) +
+  ``scales[12]`` (16 6-bit scales: low nibbles in bytes 0..7 — sub-block ``s < 8`` in byte
+  ``s``'s low nibble, ``s >= 8`` in byte ``s - 8``'s high nibble — high 2 bits in bytes
+  8..11, sub-block ``s`` at bits ``2*(s // 4)`` of byte ``8 + s % 4``) + f16 ``d``. Bit
+  ``i // 32`` of ``hmask[i % 32]`` is the high bit; ``q = low2 - (0 if high else 4)`` in
+  ``[-4, 3]``. ``w = d * (scale6 - 32) * q``.
+- ``q4_k``: 144 bytes = f16 ``d`` + f16 ``dmin`` + ``scales[12]`` (8 6-bit scales and 8
+  6-bit mins, packed as ggml's ``get_scale_min_k4``: for ``s < 4`` scale = ``b[s] & 63``,
+  min = ``b[s+4] & 63``; for ``s >= 4`` scale = ``(b[s+4] & 15) | (b[s-4] >> 6) << 4``,
+  min = ``(b[s+4] >> 4) | (b[s] >> 6) << 4``) + ``qs[128]``. Weights ``64*g + l`` and
+  ``64*g + 32 + l`` (``g`` in 0..3, ``l`` in 0..31) are the low and high nibble of
+  ``qs[32*g + l]``; sub-blocks of 32. ``w = d * scale * q - dmin * min``.
+- ``q5_k``: 176 bytes = f16 ``d`` + f16 ``dmin`` + ``scales[12]`` (as ``q4_k``) + ``qh[32]``
+  + ``qs[128]`` (low 4 bits, as ``q4_k``). Bit ``i // 32`` of ``qh[i % 32]`` is bit 4 of
+  ``q``. ``w = d * scale * q - dmin * min``.
+- ``q6_k``: 210 bytes = ``ql[128]`` + ``qh[64]`` + int8 ``scales[16]`` + f16 ``d``. In half
+  ``h`` (weights ``128*h ..``), for ``l`` in 0..31, weights ``+l``, ``+l+32``, ``+l+64``,
+  ``+l+96`` take their low 4 bits from ``ql[64h+l] & 15``, ``ql[64h+l+32] & 15``,
+  ``ql[64h+l] >> 4``, ``ql[64h+l+32] >> 4`` and their high 2 bits from bits 0-1, 2-3, 4-5,
+  6-7 of ``qh[32h+l]``; sub-blocks of 16. ``w = d * scale * (q - 32)``.
 """
 
 from __future__ import annotations
@@ -29,9 +60,16 @@ class BlockLayout:
     type_size: int
 
 
+QK_K = 256  # weights per k-quant super-block (ggml's QK_K)
+
 BLOCK_LAYOUTS: dict[str, BlockLayout] = {
     "q8_0": BlockLayout("q8_0", 32, 34),
     "q4_0": BlockLayout("q4_0", 32, 18),
+    "q2_k": BlockLayout("q2_k", QK_K, 84),  # 16 + 64 + 2 + 2
+    "q3_k": BlockLayout("q3_k", QK_K, 110),  # 32 + 64 + 12 + 2
+    "q4_k": BlockLayout("q4_k", QK_K, 144),  # 2 + 2 + 12 + 128
+    "q5_k": BlockLayout("q5_k", QK_K, 176),  # 2 + 2 + 12 + 32 + 128
+    "q6_k": BlockLayout("q6_k", QK_K, 210),  # 128 + 64 + 16 + 2
 }
 
 ALL_FORMATS: tuple[str, ...] = ("f32", "f16", "bf16", *BLOCK_LAYOUTS)

@@ -15,12 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 
 from zllm.spec.errors import CheckpointError, TensorError, UnknownArchitectureError
 from zllm.weights.checkpoint import Checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
-from zllm.weights.gguf_maps import ARCH_MAPS, REQUIRED, ROPE_ADJACENT_PAIR, GGUFArchMap, call_default
+from zllm.weights.gguf_maps import (
+    ARCH_MAPS, REQUIRED, ROPE_ADJACENT_PAIR, ROPE_FREQS_TENSOR, GGUFArchMap, call_default, rope_scaling_config,
+)
 
 # GGML tensor type → zllm format. Other types are reported by name and refused by tensor().
 GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
@@ -29,7 +31,36 @@ GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
     GGMLQuantizationType.BF16: "bf16",
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q2_K: "q2_k",
+    GGMLQuantizationType.Q3_K: "q3_k",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q5_K: "q5_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
 }
+
+
+class _PartialBlockRow(ValueError):
+    def __init__(self, tensor: str, qtype: GGMLQuantizationType, cols: int, block: int):
+        self.tensor = tensor
+        super().__init__(f"stored as GGUF type {qtype.name} with rows of {cols} weights, not a multiple of its {block}-weight block")
+
+
+class _Reader(GGUFReader):
+    """``GGUFReader`` whose error for a row that does not split into whole blocks names the
+    tensor (gguf's own ``quant_shape_to_byte_shape`` error names only the type)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name, _, dims, raw_type, _ = field.parts
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+            except ValueError:
+                break  # unknown type: gguf raises its own error below
+            block = GGML_QUANT_SIZES[qtype][0]
+            if len(dims) and int(dims[0]) % block:  # dims[0] is ne0, the row length
+                raise _PartialBlockRow(bytes(name).decode("utf-8", "replace"), qtype, int(dims[0]), block)
+        super()._build_tensors(start_offs, fields)
+
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
@@ -68,7 +99,9 @@ class GGUFCheckpoint(Checkpoint):
         self.path = path
         size = path.stat().st_size
         try:
-            reader = GGUFReader(path, mode="c")
+            reader = _Reader(path, mode="c")
+        except _PartialBlockRow as e:
+            raise TensorError(str(path), e.tensor, str(e)) from e
         except Exception as e:  # GGUFReader raises ValueError, IndexError, OSError … on bad files
             raise CheckpointError(
                 str(path), f"not a readable GGUF file ({size} bytes; truncated or corrupt): {type(e).__name__}: {e}"
@@ -135,7 +168,7 @@ class GGUFCheckpoint(Checkpoint):
 
         Raises:
             UnknownArchitectureError: no map for the file's architecture.
-            CheckpointError: a key llama.cpp requires is absent, or RoPE scaling is set.
+            CheckpointError: a key llama.cpp requires is absent, or an unmapped RoPE scaling is set.
         """
         arch, m = self.architecture, self._map
         config: dict[str, Any] = {"model_type": m.model_type, **m.constants}
@@ -147,9 +180,17 @@ class GGUFCheckpoint(Checkpoint):
                     raise CheckpointError(str(self.path), f"missing required metadata key {full!r} (for config {key.hf_key!r})")
                 value = call_default(key.default, config)
             config[key.hf_key] = value
-        scaling = self._value(f"{arch}.rope.scaling.type")
-        if scaling not in (None, "none"):
-            raise CheckpointError(str(self.path), f"RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
+        try:
+            scaling = rope_scaling_config(self._value, arch)
+        except ValueError as e:
+            raise CheckpointError(str(self.path), str(e)) from None
+        if scaling is not None:
+            config["rope_scaling"] = scaling
+        freqs = self._raw.get(ROPE_FREQS_TENSOR)
+        if freqs is not None:
+            if freqs.tensor_type != GGMLQuantizationType.F32:
+                raise TensorError(str(self.path), ROPE_FREQS_TENSOR, f"stored as {freqs.tensor_type.name}; llama.cpp expects F32")
+            config["rope_freq_factors"] = [float(f) for f in np.asarray(freqs.data).reshape(-1)]
         # llama.cpp sizes token_embd by the vocabulary (tokenizer.ggml.tokens); files without
         # one (e.g. converted without a vocab) fall back to {arch}.vocab_size, then the rows.
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
@@ -185,6 +226,8 @@ class GGUFCheckpoint(Checkpoint):
         """HF name → (GGUF tensor, GGUF base name after ``blk.N.`` or the global base name)."""
         m, out = self._map, {}
         for t in self._reader.tensors:
+            if t.name == ROPE_FREQS_TENSOR:
+                continue  # read into config["rope_freq_factors"], not a weight
             name = base = None
             if block := _BLOCK_TENSOR.fullmatch(t.name):
                 layer, base, kind = block.groups()

@@ -20,6 +20,18 @@ Sources (llama.cpp, ggml-org/llama.cpp):
 - ``output.weight`` absent means tied embeddings: ``llama-model.cpp`` creates ``output`` with
   ``TENSOR_NOT_REQUIRED`` and falls back to ``token_embd`` (``TENSOR_DUPLICATED``);
 - Q/K row order: ``convert_hf_to_gguf.py`` ``LlamaModel.permute`` (see :data:`ROPE_ADJACENT_PAIR`).
+- RoPE type per architecture: ``src/llama-model.cpp`` ``llama_model_rope_type``:
+  ``LLM_ARCH_LLAMA`` (also what the converter writes for Mistral) -> ``LLAMA_ROPE_TYPE_NORM``
+  (adjacent pairs; the converter permutes Q/K rows), ``LLM_ARCH_QWEN2``/``LLM_ARCH_QWEN3``
+  -> ``LLAMA_ROPE_TYPE_NEOX`` (half rotation, HF row order, no permutation:
+  ``Qwen2Model`` in ``convert_hf_to_gguf.py`` does not override ``modify_tensors``).
+- RoPE scaling keys (``Keys.Rope``): ``{arch}.rope.scaling.type`` (``none``, ``linear``,
+  ``yarn``; llama.cpp's ``LLAMA_ROPE_SCALING_TYPES``), ``.factor``,
+  ``.original_context_length``, ``.yarn_beta_fast``/``.yarn_beta_slow``; llama3's
+  per-frequency factors are the tensor ``rope_freqs.weight`` (``MODEL_TENSOR.ROPE_FREQS``)
+  written by ``LlamaModel.generate_extra_tensors`` (see :func:`rope_scaling_config`).
+- Qwen3 per-head norms: ``blk.N.attn_q_norm`` / ``blk.N.attn_k_norm``
+  (``MODEL_TENSORS[QWEN3]``); Qwen2 q/k/v biases are ``blk.N.attn_{q,k,v}.bias``.
 """
 
 from __future__ import annotations
@@ -125,7 +137,80 @@ LLAMA = GGUFArchMap(
     rope_rows={"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"},
 )
 
-ARCH_MAPS: dict[str, GGUFArchMap] = {"llama": LLAMA}
+_QWEN_KEYS = (
+    ConfigKey("max_position_embeddings", "context_length"),
+    ConfigKey("hidden_size", "embedding_length"),
+    ConfigKey("intermediate_size", "feed_forward_length"),
+    ConfigKey("num_hidden_layers", "block_count"),
+    ConfigKey("num_attention_heads", "attention.head_count"),
+    ConfigKey("num_key_value_heads", "attention.head_count_kv", _heads),
+    ConfigKey("head_dim", "attention.key_length", _head_dim),
+    ConfigKey("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
+    ConfigKey("rope_theta", "rope.freq_base", 10000.0),
+)
+
+QWEN2 = GGUFArchMap(
+    model_type="qwen2",
+    constants={"hidden_act": "silu"},
+    keys=_QWEN_KEYS,
+    global_tensors=LLAMA.global_tensors,
+    block_tensors=LLAMA.block_tensors,
+    bias_flags={},  # q/k/v biases are part of the architecture (Qwen2Attention)
+    rope_layout=ROPE_HALF_ROTATION,
+    rope_rows={},
+)
+
+QWEN3 = GGUFArchMap(
+    model_type="qwen3",
+    constants={"hidden_act": "silu"},
+    keys=_QWEN_KEYS,
+    global_tensors=LLAMA.global_tensors,
+    block_tensors={**LLAMA.block_tensors, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    bias_flags={"attention_bias": "attn_q"},
+    rope_layout=ROPE_HALF_ROTATION,
+    rope_rows={},
+)
+
+ARCH_MAPS: dict[str, GGUFArchMap] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+
+#: GGUF tensor holding per-frequency RoPE divisors (llama3 scaling); read into the config
+#: as ``rope_freq_factors`` rather than presented as a weight.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+#: ``{arch}.rope.scaling.type`` values zllm maps (``none`` means no scaling).
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+def rope_scaling_config(get: Any, arch: str) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` dict from the ``{arch}.rope.scaling.*`` keys (``get(key)`` -> value
+    or None), or None when unscaled.
+
+    Raises:
+        ValueError: an unmapped scaling type or YaRN key (names it and what is supported).
+    """
+    kind = get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})")
+    factor = get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        raise ValueError(f"RoPE scaling {kind!r} needs {arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    for key, neutral in (("attn_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        value = get(f"{arch}.rope.scaling.{key}")
+        if value is not None and float(value) != neutral:
+            raise ValueError(f"YaRN {arch}.rope.scaling.{key} = {value} is not supported (supported: absent or {neutral})")
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+    original = get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for hf_key, gguf_key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        value = get(f"{arch}.rope.scaling.{gguf_key}")
+        if value is not None:
+            scaling[hf_key] = float(value)
+    return scaling
 
 
 def call_default(default: Any, config: dict[str, Any]) -> Any:

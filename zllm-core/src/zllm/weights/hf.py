@@ -242,4 +242,14 @@ class HFCheckpoint(Checkpoint):
             raise CheckpointError(str(self.path), f"no tokenizer: expected {TOKENIZER_FILE}")
         tokenizer_config_file = self.path / TOKENIZER_CONFIG_FILE
         tokenizer_config = _read_json(tokenizer_config_file) if tokenizer_config_file.is_file() else None
-        return Tokenizer.from_hf_files(tokenizer_json, tokenizer_config, self.generation_config or None)
+        # Chat template files as transformers 5 saves them; they win over tokenizer_config's.
+        templates: dict[str, str] = {}
+        extra = self.path / "additional_chat_templates"
+        for name, file in [("default", self.path / "chat_template.jinja"),
+                           *((f.name.removesuffix(".jinja"), f) for f in sorted(extra.glob("*.jinja")))]:
+            if file.is_file():
+                try:
+                    templates[name] = file.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise CheckpointError(str(file), f"cannot read chat template: {exc}") from exc
+        return Tokenizer.from_hf_files(tokenizer_json, tokenizer_config, self.generation_config or None, templates)

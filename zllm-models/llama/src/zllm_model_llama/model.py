@@ -1,4 +1,4 @@
-"""The llama forward pass, top to bottom (after gpt-fast's ``model.py``).
+"""The llama-style forward pass (llama, mistral, qwen2, qwen3), top to bottom (after gpt-fast's ``model.py``).
 
 Dimension legend: T tokens in the batch, S' rows that need logits, H query heads, Hkv KV
 heads, D head dim, C hidden size, F FFN size, V vocabulary.
@@ -12,13 +12,13 @@ from typing import Any
 import attrs
 import torch
 
-from zllm.plugin_api import AttentionMetadata, KVCacheShape, default_inv_freq, rope_cos_sin
+from zllm.plugin_api import AttentionMetadata, KVCacheShape, rope_cos_sin, rope_inv_freq
 from zllm_model_llama.spec import LlamaSpec
 
 
 @attrs.frozen
 class LlamaLayer:
-    """The weights of one decoder layer (biases are None unless the config has them)."""
+    """The weights of one decoder layer (biases and q/k norms are None unless the config has them)."""
 
     attn_norm: Any
     q: Any
@@ -36,6 +36,8 @@ class LlamaLayer:
     gate_bias: Any = None
     up_bias: Any = None
     down_bias: Any = None
+    q_norm: Any = None
+    k_norm: Any = None
 
     @classmethod
     def from_weights(cls, w: dict[str, Any], i: int) -> "LlamaLayer":
@@ -44,7 +46,8 @@ class LlamaLayer:
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
         fields = {k: w[p + n + ".weight"] for k, n in proj.items()}
         fields |= {k + "_bias": w.get(p + n + ".bias") for k, n in proj.items()}
-        return cls(attn_norm=w[p + "input_layernorm.weight"], mlp_norm=w[p + "post_attention_layernorm.weight"], **fields)
+        return cls(attn_norm=w[p + "input_layernorm.weight"], mlp_norm=w[p + "post_attention_layernorm.weight"],
+                   q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"), **fields)
 
 
 class LlamaModel:
@@ -54,12 +57,12 @@ class LlamaModel:
         self.spec, self.ops = spec, ops
         self.vocab_size = spec.vocab_size
         self.context_length = spec.context_length
-        self.kv_shape = KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.kv_shape = KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_sliding_window)
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
         self.layers = [LlamaLayer.from_weights(weights, i) for i in range(spec.num_layers)]
-        self.inv_freq = default_inv_freq(spec.head_dim, spec.rope_theta)
+        self.inv_freq, self.rope_attention_factor = rope_inv_freq(spec.head_dim, spec.rope)  # [D2], YaRN's mscale
 
     def forward(
         self,
@@ -71,21 +74,30 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
         ops, eps = self.ops, self.spec.rms_norm_eps
-        cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device))  # [T, D/2] each
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), self.rope_attention_factor)  # [T, D/2] each
         x = ops.embedding(self.embed, token_ids)  # [T, C]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = x + self.attention(layer, ops.rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv_cache)
+        for layer, window, kv_cache in zip(self.layers, self.spec.layer_windows, kv_caches):
+            x = x + self.attention(layer, ops.rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv_cache, window)
             x = x + self.mlp(layer, ops.rms_norm(x, layer.mlp_norm, eps))
         x = ops.rms_norm(x[logits_indices], self.norm, eps)  # [S', C]
         return ops.linear(x, self.lm_head)  # [S', V]
 
-    def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
+                  window: int | None) -> torch.Tensor:
         ops, s = self.ops, self.spec
         T = x.shape[0]
-        q = ops.rope(ops.linear(x, layer.q, layer.q_bias).view(T, s.num_heads, s.head_dim), cos, sin)  # [T, H, D]
-        k = ops.rope(ops.linear(x, layer.k, layer.k_bias).view(T, s.num_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, D]
+        q = ops.linear(x, layer.q, layer.q_bias)  # [T, H*D]
+        k = ops.linear(x, layer.k, layer.k_bias)  # [T, Hkv*D]
+        if layer.q_norm is not None:  # qwen3: RMSNorm over each head's D features, before RoPE
+            q = ops.rms_norm(q.view(T * s.num_heads, s.head_dim), layer.q_norm, s.rms_norm_eps)  # [T*H, D]
+            k = ops.rms_norm(k.view(T * s.num_kv_heads, s.head_dim), layer.k_norm, s.rms_norm_eps)  # [T*Hkv, D]
+        q = ops.rope(q.view(T, s.num_heads, s.head_dim), cos, sin)  # [T, H, D]
+        k = ops.rope(k.view(T, s.num_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, D]
         v = ops.linear(x, layer.v, layer.v_bias).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        out = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
+        if window is None:
+            out = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
+        else:
+            out = ops.attention_sliding(q, k, v, kv_cache[0], kv_cache[1], meta, window)  # [T, H, D]
         return ops.linear(out.reshape(T, s.q_size), layer.o, layer.o_bias)  # [T, C]
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:

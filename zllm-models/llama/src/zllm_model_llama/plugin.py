@@ -1,4 +1,8 @@
-"""Entry point of the ``zllm-model-llama`` distribution (group ``zllm``, name ``llama``)."""
+"""Entry point of the ``zllm-model-llama`` distribution (group ``zllm``, name ``llama``).
+
+One distribution, one layer code, several HF ``model_type`` values: each published
+:class:`FamilyInfo` names a small family class in :mod:`zllm_model_llama.family`.
+"""
 
 from zllm.plugin_api import FamilyInfo, hookimpl
 
@@ -12,6 +16,24 @@ def zllm_model_families() -> list[FamilyInfo]:
             name="llama",
             model_types=("llama",),
             factory="zllm_model_llama.family:LlamaFamily",
-            description="Llama architecture: MHA/GQA/MQA, RMSNorm, RoPE, SwiGLU, tied or untied output",
-        )
+            description="Llama architecture: MHA/GQA/MQA, RMSNorm, RoPE (+ linear/dynamic/llama3/yarn scaling), SwiGLU",
+        ),
+        FamilyInfo(
+            name="mistral",
+            model_types=("mistral",),
+            factory="zllm_model_llama.family:MistralFamily",
+            description="Mistral: llama layers with an optional sliding window on every layer",
+        ),
+        FamilyInfo(
+            name="qwen2",
+            model_types=("qwen2",),
+            factory="zllm_model_llama.family:Qwen2Family",
+            description="Qwen2: llama layers with q/k/v biases, per-layer full or sliding attention",
+        ),
+        FamilyInfo(
+            name="qwen3",
+            model_types=("qwen3",),
+            factory="zllm_model_llama.family:Qwen3Family",
+            description="Qwen3: llama layers with per-head q/k RMSNorm, per-layer full or sliding attention",
+        ),
     ]

@@ -1,4 +1,25 @@
-"""The frozen llama model spec, read from an HF-style config dict."""
+"""The frozen spec shared by the llama-style architectures, read from an HF-style config dict.
+
+One decoder-layer code serves several HF ``model_type`` values; :class:`ArchRules` states, as
+data, how each reads its config (transformers 5.24's ``configuration_*.py`` and
+``modeling_*.py`` for that type):
+
+============  ===================  =========  ==========  ===============  =====================
+model_type    q/k/v bias           o bias     MLP bias    q/k RMSNorm      sliding window
+============  ===================  =========  ==========  ===============  =====================
+llama         ``attention_bias``   same       ``mlp_bias``  no             none
+mistral       no                   no         no          no               every layer, when
+                                                                           ``sliding_window`` set
+qwen2         always               no         no          no               ``layer_types``
+qwen3         ``attention_bias``   same       no          per head, [D]    ``layer_types``
+============  ===================  =========  ==========  ===============  =====================
+
+Qwen2/Qwen3 (``Qwen2Config.__post_init__``): the window is ``sliding_window`` only when
+``use_sliding_window`` is true; ``layer_types`` defaults to ``sliding_attention`` for layers
+``i >= max_window_layers`` (default 28) when a window is set, else ``full_attention``.
+Mistral ignores ``layer_types`` (transformers only warns about it). ``head_dim`` defaults to
+``hidden_size // num_attention_heads``, except Qwen3 whose config class defaults it to 128.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +27,42 @@ from typing import Any
 
 import attrs
 
-from zllm.plugin_api import CheckpointError
+from zllm.plugin_api import CheckpointError, RopeParams, rope_params_from_config
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@attrs.frozen
+class ArchRules:
+    """How one HF ``model_type`` maps its config onto the shared llama layers.
+
+    Bias fields are a config key (read, default False) or a constant.
+    ``sliding``: ``none``, ``all`` (mistral) or ``layer_types`` (qwen2/qwen3).
+    """
+
+    model_type: str
+    qkv_bias: str | bool
+    o_bias: str | bool
+    mlp_bias: str | bool
+    qk_norm: bool
+    default_head_dim: int | None
+    sliding: str
+
+
+LLAMA = ArchRules("llama", "attention_bias", "attention_bias", "mlp_bias", False, None, "none")
+MISTRAL = ArchRules("mistral", False, False, False, False, None, "all")
+QWEN2 = ArchRules("qwen2", True, False, False, False, None, "layer_types")
+QWEN3 = ArchRules("qwen3", "attention_bias", "attention_bias", False, True, 128, "layer_types")
 
 
 @attrs.frozen
 class LlamaSpec:
-    """Dimensions and constants of one llama model. Units: counts of elements/tokens."""
+    """Dimensions and constants of one llama-style model. Units: counts of elements/tokens.
 
+    ``layer_windows[i]`` is layer ``i``'s sliding window in tokens, or None for full attention.
+    """
+
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -21,11 +71,14 @@ class LlamaSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeParams
     context_length: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
     mlp_bias: bool
+    qk_norm: bool
+    layer_windows: tuple[int | None, ...]
 
     @property
     def q_size(self) -> int:
@@ -35,49 +88,87 @@ class LlamaSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-
-def _rope_theta(cfg: dict[str, Any], source: str) -> float:
-    """RoPE base from either config style: ``rope_theta`` + ``rope_scaling`` (transformers
-    < 5) or the ``rope_parameters`` block (transformers >= 5)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise CheckpointError(source, f"RoPE scaling type {rope_type!r} is not supported by this llama family version (supported: default)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window when every layer slides (the KV cache may then drop old blocks), else None."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
 
 
-def spec_from_config(cfg: dict[str, Any], source: str) -> LlamaSpec:
-    """Build a :class:`LlamaSpec` from an HF ``LlamaConfig``-style dict.
+def _flag(cfg: dict[str, Any], rule: str | bool) -> bool:
+    return rule if isinstance(rule, bool) else bool(cfg.get(rule, False))
+
+
+def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, context_length: int, source: str) -> tuple[int | None, ...]:
+    if rules.sliding == "none":
+        return (None,) * num_layers
+    if rules.sliding == "all":
+        window = cfg.get("sliding_window")
+        types = [SLIDING if window is not None else FULL] * num_layers
+    else:
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        types = cfg.get("layer_types") or [
+            SLIDING if window is not None and i >= int(cfg.get("max_window_layers", 28)) else FULL for i in range(num_layers)
+        ]
+        if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
+            raise CheckpointError(
+                source, f"layer_types {types} is not supported: need {num_layers} entries, each {FULL!r} or {SLIDING!r}"
+            )
+        if SLIDING in types and window is None:
+            raise CheckpointError(source, "layer_types has 'sliding_attention' but no window (use_sliding_window false or sliding_window unset)")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise CheckpointError(source, f"sliding_window {window!r} is not a positive integer")
+    # A window covering the whole context window masks nothing: that layer is full attention.
+    return tuple(window if t == SLIDING and window < context_length else None for t in types)
+
+
+def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA) -> LlamaSpec:
+    """Build a :class:`LlamaSpec` from an HF config dict of ``rules.model_type``.
 
     Raises:
         CheckpointError: a required key is missing, a value is inconsistent (heads not
-            dividing), or a feature this family does not implement is configured.
+            dividing), or a feature this family does not implement is configured (the
+            message names it and what is supported).
     """
     def need(key: str) -> Any:
         if key not in cfg:
-            raise CheckpointError(source, f"llama config lacks required key {key!r}")
+            raise CheckpointError(source, f"{rules.model_type} config lacks required key {key!r}")
         return cfg[key]
 
+    model_type = cfg.get("model_type", rules.model_type)
+    if model_type != rules.model_type:
+        raise CheckpointError(source, f"model_type {model_type!r} is not {rules.model_type!r}, the type this family parses")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(source, f"hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)")
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise CheckpointError(source, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = int(cfg.get("head_dim") or rules.default_head_dim or hidden // heads)
+    num_layers = int(need("num_hidden_layers"))
+    context_length = int(cfg.get("max_position_embeddings", 2048))
+    try:
+        rope = rope_params_from_config(cfg)
+    except ValueError as e:
+        raise CheckpointError(source, str(e)) from None
+    if rope.freq_factors is not None and len(rope.freq_factors) != head_dim // 2:
+        raise CheckpointError(source, f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim} (need {head_dim // 2})")
     return LlamaSpec(
+        model_type=rules.model_type,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg, source),
-        context_length=int(cfg.get("max_position_embeddings", 2048)),
+        rope=rope,
+        context_length=context_length,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qkv_bias=_flag(cfg, rules.qkv_bias),
+        o_bias=_flag(cfg, rules.o_bias),
+        mlp_bias=_flag(cfg, rules.mlp_bias),
+        qk_norm=rules.qk_norm,
+        layer_windows=_layer_windows(cfg, rules, num_layers, context_length, source),
     )

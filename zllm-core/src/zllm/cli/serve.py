@@ -1,0 +1,43 @@
+"""``zllm serve``: the HTTP server (OpenAI and Anthropic APIs) under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import attrs
+
+from zllm.spec.config import load_config
+from zllm.spec.errors import ConfigError
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Fail before loading the model (which can take minutes) if the address is taken."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ConfigError("server.port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Check the config (and the overrides) before importing torch and the server.
+    cfg = load_config(args.config)
+    server = cfg.server
+    if args.host is not None or args.port is not None:
+        server = attrs.evolve(server, host=args.host or server.host,
+                              port=args.port if args.port is not None else server.port)
+        cfg = attrs.evolve(cfg, server=server)
+    _check_can_listen(server.host, server.port)
+    import uvicorn
+
+    from zllm.engine.engine import Engine
+    from zllm.server import create_app, served_model_name
+
+    engine = Engine.from_config(cfg)
+    app = create_app(engine)
+    print(f"zllm: serving {served_model_name(engine)!r} on http://{server.host}:{server.port}", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=args.log_level, access_log=args.access_log)
+    return 0

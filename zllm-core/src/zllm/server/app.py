@@ -1,0 +1,174 @@
+"""The ASGI app: routes of every protocol, errors in each protocol's shape, metrics.
+
+``create_app(engine)`` builds it; ``zllm serve`` runs it under uvicorn. Every user error is a
+4xx in the protocol's own shape (:mod:`zllm.server.errors`); anything else is logged and
+answered 500 in the same shape, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from zllm.server import anthropic_messages, openai_chat, openai_completions, openai_responses
+from zllm.server.common import ServerState, state
+from zllm.server.errors import ApiError, error_response, validation_error
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest request body accepted; larger ones get 413 (a context window of text is far smaller)."""
+
+# Protocol field names that the engine's own error names should be reported as.
+_RENAMES = {
+    "/v1/chat/completions": openai_chat.RENAMES,
+    "/v1/messages": anthropic_messages.RENAMES,
+    "/v1/responses": openai_responses.RENAMES,
+}
+
+
+def served_model_name(engine) -> str:
+    """``server.model_name`` from the config, else the model folder's or file's stem."""
+    cfg = engine.config
+    return cfg.server.model_name or Path(cfg.model.path).stem
+
+
+def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP app serving ``engine`` (a :class:`zllm.Engine`)."""
+    app = FastAPI(title="zllm", summary="OpenAI- and Anthropic-compatible LLM inference", version="1")
+    app.state.zllm = ServerState(engine, model_name or served_model_name(engine))
+    app.state.zllm.responses = openai_responses.ResponseStore()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(request.url.path, validation_error(list(exc.errors()), _RENAMES.get(request.url.path)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(request.url.path, ApiError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error serving %s", request.url.path)
+        return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        st = state(request)
+        return {"object": "list", "data": [
+            {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "zllm",
+             "max_model_len": st.engine.llm.context_length}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        st = state(request)
+        st.check_model(model_id)
+        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "zllm"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(generate_latest(state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    for module in (openai_completions, openai_chat, openai_responses, anthropic_messages):
+        app.include_router(module.router)
+
+    return _BodyLimit(_CountRequests(app), max_body_bytes)
+
+
+class _CountRequests:
+    """ASGI middleware: count every answered HTTP request by route template and status."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self.state = app.state  # so tests and callers can reach app.state through the wrapper
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.app.state.zllm.metrics.requests.labels(_route(scope), str(status["code"])).inc()
+
+
+_ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                     "/v1/responses", "/v1/messages", "/docs", "/openapi.json"})
+
+
+def _route(scope) -> str:
+    """The metrics label of a request: its route, ``/v1/models/{id}``, ``/v1/responses/{id}`` or ``other``
+    (unknown paths share one label so clients cannot grow the label set)."""
+    path = scope.get("path", "").rstrip("/") or "/"
+    if path in _ROUTES:
+        return path
+    for prefix in ("/v1/models/", "/v1/responses/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
+    return "other"
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a body over ``limit`` bytes, by ``Content-Length`` or while
+    reading a chunked body, in the route's protocol error shape."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        too_large = ApiError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _discard_body(receive)
+            return await error_response(path, too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413, too_large.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _discard_body(receive, max_bytes: int = 64 * 1024 * 1024) -> None:
+    # Read (a bounded amount of) the body so the client sees the 413 instead of a reset.
+    seen = 0
+    while seen < max_bytes:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+        seen += len(message.get("body", b""))
+

@@ -1,0 +1,129 @@
+"""What every protocol module shares: the server state, the sampling fields that map 1:1
+onto the Request JSON, model-name checks, ids and server-sent events."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from zllm.server.errors import ApiError
+from zllm.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    """The engine behind the app and what the routes report about it."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ApiError 404 unless ``model`` is the served name (None = the served model)."""
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.zllm
+
+
+class StrictModel(BaseModel):
+    """Request bodies: JSON types are not coerced (``"1"`` is not a number, ``true`` is not
+    1) and unknown fields are a 400 naming the field."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class SamplingFields(StrictModel):
+    """Fields passed to the engine unchanged. The last five are zllm/vLLM extensions
+    (send them with the SDKs' ``extra_body``)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+
+    def engine_fields(self) -> dict[str, Any]:
+        names = SamplingFields.model_fields
+        return {k: v for k, v in self.model_dump(include=set(names)).items() if v is not None}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def reject_if(value: Any, field: str, why: str = "") -> None:
+    """400 naming ``field`` when a generation-changing field is set to something zllm does
+    not implement (``None``/``False``/empty mean "not asked for")."""
+    from zllm.server.errors import unsupported
+
+    if value not in (None, False) and value != [] and value != {}:
+        raise unsupported(field, why)
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event; ``data`` is JSON-encoded unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), allow_nan=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+def sse_response(body, stream, *, anthropic: bool = False) -> StreamingResponse:
+    """A ``text/event-stream`` response whose engine stream is closed however it ends.
+
+    An error after the response has started cannot change its status any more; it is logged
+    and sent as a last ``error`` event in the protocol's error shape."""
+
+    async def guarded():
+        try:
+            async for chunk in body:
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
+            log.exception("error while streaming")
+            err = ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+            if anthropic:
+                yield sse({"type": "error", "error": {"type": "api_error", "message": err.message}}, "error")
+            else:
+                yield sse({"error": {"message": err.message, "type": "server_error", "param": None, "code": None}})
+
+    return StreamingResponse(
+        guarded(), media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(stream.aclose),
+    )
+
+
+def stop_sequence_matched(engine, stop: list[str], text: str, token_ids: list[int]) -> str | None:
+    """Which stop string ended a generation whose finish reason is ``stop``, or None when
+    EOS or a stop token did. The engine holds a matched stop string back from ``text``
+    while its tokens stay in ``token_ids``, so the first stop string in the decoded tokens
+    at or after the end of ``text`` is the one."""
+    if not stop:
+        return None
+    decoded = engine.tokenizer.decode(token_ids)
+    start = max(0, len(text) - max(len(s) for s in stop) - 1)
+    best: tuple[int, int, str] | None = None
+    for s in stop:
+        i = decoded.find(s, start)
+        if i >= 0 and (best is None or (i, -len(s)) < best[:2]):
+            best = (i, -len(s), s)
+    return best[2] if best else None

@@ -1,0 +1,127 @@
+"""Errors in each protocol's own shape.
+
+One exception, :class:`ApiError`, carries what every protocol needs (HTTP status, message,
+the offending field); the app's exception handlers render it as OpenAI's error object on
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and ``/v1/models``, and as
+Anthropic's on ``/v1/messages``:
+
+* OpenAI: ``{"error": {"message", "type", "param", "code"}}``
+  (https://platform.openai.com/docs/guides/error-codes)
+* Anthropic: ``{"type": "error", "error": {"type", "message"}}``
+  (https://docs.anthropic.com/en/api/errors)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+# HTTP status -> (OpenAI error type, Anthropic error type)
+_TYPES = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    404: ("invalid_request_error", "not_found_error"),
+    405: ("invalid_request_error", "invalid_request_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
+    500: ("server_error", "api_error"),
+    503: ("server_error", "overloaded_error"),
+}
+
+
+class ApiError(Exception):
+    """A request the server answers with an error.
+
+    Args:
+        status: HTTP status (4xx for anything the client caused).
+        message: one line naming the bad value and what is valid.
+        param: the request field at fault, in the protocol's own naming
+            (``messages[0].content``), or None.
+        code: a machine-readable code (OpenAI's ``code``), e.g. ``model_not_found``.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def unsupported(field: str, why: str = "") -> ApiError:
+    """A 400 for a field that would change generation but zllm does not implement."""
+    tail = f": {why}" if why else ""
+    return ApiError(400, f"{field} is not supported by zllm{tail}", param=field, code="unsupported_parameter")
+
+
+def is_anthropic(path: str) -> bool:
+    return path.rstrip("/") in ANTHROPIC_PATHS
+
+
+def error_body(path: str, err: ApiError) -> dict[str, Any]:
+    """The protocol's error JSON for a request to ``path``."""
+    openai_type, anthropic_type = _TYPES.get(err.status, ("invalid_request_error", "invalid_request_error"))
+    if is_anthropic(path):
+        return {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
+    return {"error": {"message": err.message, "type": openai_type, "param": err.param, "code": err.code}}
+
+
+def error_response(path: str, err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(path, err), status_code=err.status)
+
+
+# ------------------------------------------------------------------ pydantic -> ApiError
+
+# Location parts pydantic adds for union members and validators, not field names.
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (
+        part[:1].isupper() or any(c in part for c in "[-,") or part in {"str", "int", "float", "bool", "list", "dict", "none"}
+    )
+
+
+def _param(loc: Iterable[Any], renames: Mapping[str, str]) -> str:
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if _is_type_tag(part):
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else renames.get(str(part), str(part))
+    return out
+
+
+def validation_error(errors: list[Mapping[str, Any]], renames: Mapping[str, str] | None = None) -> ApiError:
+    """One 400 from pydantic/FastAPI validation errors: the first failing field, with every
+    message about that field (a union reports one per member)."""
+    renames = renames or {}
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ApiError(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+    param = _param(first.get("loc", ()), renames)
+    if not param and first.get("type") == "missing":
+        return ApiError(400, "the request body is empty; expected a JSON object", code="invalid_request")
+    if not param and isinstance(first.get("input"), (bytes, bytearray)):
+        return ApiError(400, "the request body was not read as JSON: send Content-Type: application/json",
+                        code="invalid_request")
+    msgs: list[str] = []
+    for e in errors:
+        if _param(e.get("loc", ()), renames) == param or (param and _param(e.get("loc", ()), renames).startswith(param)):
+            msg = _message(e)
+            if msg not in msgs:
+                msgs.append(msg)
+    if not param:
+        return ApiError(400, f"the request body must be a JSON object: {'; '.join(msgs)}", code="invalid_request")
+    return ApiError(400, f"{param}: {' or '.join(msgs)}", param=param, code="invalid_value")
+
+
+def _message(e: Mapping[str, Any]) -> str:
+    kind = e.get("type")
+    if kind == "extra_forbidden":
+        return "unknown field (see docs/server.md for the fields each route accepts)"
+    if kind == "missing":
+        return "required field is missing"
+    return str(e.get("msg", "invalid value"))

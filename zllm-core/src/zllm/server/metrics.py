@@ -1,0 +1,53 @@
+"""Prometheus metrics for ``GET /metrics`` (prometheus-client, one registry per app).
+
+=====================================  =========  ==========================================
+metric                                 type       meaning
+=====================================  =========  ==========================================
+zllm_requests_total{route,status}      counter    HTTP requests answered, by route template
+                                                  and status code
+zllm_prompt_tokens_total               counter    prompt tokens of finished generations
+zllm_generation_tokens_total           counter    tokens generated
+zllm_time_to_first_token_seconds       histogram  request received -> first generated token
+zllm_inter_token_latency_seconds       histogram  gap between consecutive generated tokens
+zllm_num_requests_running              gauge      sequences in the running batch
+zllm_num_requests_waiting              gauge      sequences queued for admission
+zllm_kv_blocks_used / _free            gauge      KV cache blocks in use (running sequences
+                                                  and the prefix cache) / free
+zllm_kv_blocks_running                 gauge      blocks held by running sequences (the rest
+                                                  of the used blocks is the prefix cache)
+=====================================  =========  ==========================================
+
+Gauges are read from the scheduler at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    """The server's metrics, bound to one engine's scheduler."""
+
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("zllm_requests", "HTTP requests answered", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("zllm_prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.generation_tokens = Counter("zllm_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("zllm_time_to_first_token_seconds", "Request received to first generated token",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("zllm_inter_token_latency_seconds", "Gap between consecutive generated tokens",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        scheduler = engine.llm.scheduler
+        kv = scheduler.kv
+        Gauge("zllm_num_requests_running", "Sequences in the running batch",
+              registry=r).set_function(lambda: len(scheduler.running))
+        Gauge("zllm_num_requests_waiting", "Sequences waiting for admission",
+              registry=r).set_function(lambda: len(scheduler.waiting))
+        Gauge("zllm_kv_blocks_free", "Free KV cache blocks", registry=r).set_function(lambda: kv.num_free_blocks)
+        Gauge("zllm_kv_blocks_used", "KV cache blocks in use (running sequences and prefix cache)",
+              registry=r).set_function(lambda: kv.num_blocks - kv.num_free_blocks)
+        Gauge("zllm_kv_blocks_running", "KV cache blocks held by running sequences",
+              registry=r).set_function(lambda: sum(len(s.kv.blocks) for s in list(scheduler.running)))
