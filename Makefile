@@ -11,7 +11,7 @@ DISTS := zllm-core zllm-backend-cpu zllm-models/llama
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test bench compat clean
+.PHONY: run test bench bench-serve compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/run.py
+
+BENCH_SERVE_ARGS ?=
+bench-serve: $(VENV)/.installed-test
+	$(BIN)/python bench/serve.py $(BENCH_SERVE_ARGS)
 
 compat: $(VENV)/.installed
 	$(BIN)/zllm compat --format md > COMPATIBILITY.md

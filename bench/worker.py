@@ -6,9 +6,11 @@ line starting with ``BENCH_RESULT `` followed by a JSON object; everything else 
 (library logs, warnings) is ignored by the parent.
 
 Spec keys: ``engine`` (a key of :data:`ENGINES`), ``model_dir``, ``prompt_ids``,
-``warmup_ids``, ``new_tokens``, ``threads``, and ``mode``: ``measure`` (default) or
+``warmup_ids``, ``new_tokens``, ``threads``, and ``mode``: ``measure`` (default),
 ``probe`` (transformers only: greedy generation *with* EOS allowed for each candidate in
-``candidates``; returns how many tokens each produced before EOS).
+``candidates``; returns how many tokens each produced before EOS) or ``batch``
+(transformers only, for ``bench/serve.py``: one batched greedy ``generate`` over
+``prompts``, left-padded, after a warm-up batch over ``warmup_prompts``).
 
 How a measurement runs (the same for every engine):
 
@@ -281,9 +283,58 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     return {"lengths": lengths}
 
 
+def batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """transformers' batched ``generate`` over ``prompts`` (left padding, greedy, exactly
+    ``new_tokens`` each): the time to the first generated token of the batch and in all."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    runner = TransformersRunner()
+    runner.import_libs()
+    torch.set_num_threads(spec["threads"])
+    runner.load(spec["model_dir"], spec)
+    pad = runner.eos[0] if runner.eos else 0
+
+    def run(prompts: list[list[int]], n: int, on_step: Callable[[], None]) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+
+        class Stamp(BaseStreamer):
+            prompt_seen = False
+
+            def put(self, value):
+                if not self.prompt_seen:  # generate() first hands the streamer the prompts
+                    self.prompt_seen = True
+                    return
+                on_step()
+
+            def end(self):
+                pass
+
+        with torch.inference_mode():
+            out = runner.model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                        min_new_tokens=n, streamer=Stamp(), pad_token_id=pad,
+                                        eos_token_id=runner.eos or None, temperature=None, top_p=None, top_k=None)
+        return out[:, width:].tolist()
+
+    run(spec["warmup_prompts"], WARMUP_TOKENS, lambda: None)
+    steps: list[float] = []
+    start = time.perf_counter()
+    ids = run(spec["prompts"], spec["new_tokens"], lambda: steps.append(time.perf_counter()))
+    end = time.perf_counter()
+    generated = sum(len(row) for row in ids)
+    return {"engine": "transformers", "mode": "batch", "requests": len(ids), "generated_tokens": generated,
+            "ttft_s": steps[0] - start, "total_s": end - start, "tok_s": generated / (end - start),
+            "threads": torch.get_num_threads(), "versions": runner.versions()}
+
+
+MODES = {"measure": measure, "probe": probe, "batch": batch}
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
-    result = probe(spec) if spec.get("mode") == "probe" else measure(spec)
+    result = MODES[spec.get("mode", "measure")](spec)
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

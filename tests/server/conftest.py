@@ -96,6 +96,10 @@ class Server:
 
 
 def start_server(tmp_path: Path, model_dir: Path, **sections) -> Server:
+    # Batch-invariant mode: a request's tokens never depend on its batch-mates, so the
+    # concurrency tests can demand exact equality with the request run alone (max_num_seqs
+    # 16 so all sixteen streams share one batch).
+    sections.setdefault("runtime", {"batch_invariant": True, "max_num_seqs": 16})
     config = write_config(tmp_path, model_dir, **sections)
     name = (sections.get("server") or {}).get("model_name") or model_dir.name
     return Server(config, name, tmp_path / "server.log")
@@ -144,5 +148,120 @@ def chat_server(tmp_path_factory) -> Server:
     """stories260K with a chat template, served as ``stories-chat``."""
     tmp = tmp_path_factory.mktemp("serve-chat")
     srv = start_server(tmp, chat_model_dir(tmp / "stories-chat"), server={"model_name": "stories-chat"})
+    yield srv
+    srv.stop()
+
+
+# ---------------------------------------------------------------- a tiny random ChatML checkpoint
+
+# Qwen's ChatML template, the shape most chat checkpoints use.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_SYSTEM = "You are a tiny test model."
+TINY_CHAT_USER = "Tell me a story about a cat and a dog."
+TINY_CHAT_MAX_TOKENS = 16
+# Greedy parity needs every step's top logit to beat the runner-up by more than the rounding
+# differences between two f32 implementations (~1e-5); seeds whose greedy run has a nearer
+# tie, emits a special token or stops early are skipped (deterministically).
+TINY_CHAT_MIN_MARGIN = 1e-3
+_TINY_CHAT_CORPUS = [
+    "Once upon a time there was a little cat who lived in a big house with a friendly dog.",
+    "The dog liked to run in the park, and the cat liked to sleep in the sun.",
+    "One day they found a red ball under the old tree. They played until the stars came out.",
+    "You are a helpful assistant. Tell me a story about a cat and a dog, please!",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and marks: ; ? ' \" ( ) [ ] { } - _ + = * / \\ | @ # $ % ^ & ~ ` < >",
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz",
+]
+
+
+class TinyChat:
+    """A random-weight LlamaForCausalLM with a ChatML tokenizer, both written by transformers
+    (``save_pretrained``), and transformers' own greedy answer to one conversation.
+
+    Attributes:
+        path: the checkpoint directory.
+        system, user: the conversation (a system message and one user message).
+        prompt_ids: ``apply_chat_template(..., add_generation_prompt=True)`` ids.
+        output_ids: ``generate(do_sample=False, max_new_tokens=TINY_CHAT_MAX_TOKENS)`` new ids.
+        text: ``output_ids`` decoded (``skip_special_tokens=True``).
+        seed: the ``torch.manual_seed`` the weights were drawn with.
+    """
+
+    def __init__(self, path: Path, prompt_ids: list[int], output_ids: list[int], text: str, seed: int):
+        self.path, self.prompt_ids, self.output_ids, self.text, self.seed = path, prompt_ids, output_ids, text, seed
+        self.system, self.user = TINY_CHAT_SYSTEM, TINY_CHAT_USER
+
+
+def build_chatml_tokenizer(dst: Path):
+    """A byte-level BPE (``tokenizers``, trained on a few lines of ASCII) with ChatML special
+    tokens, wrapped in ``PreTrainedTokenizerFast`` with the template set, saved to ``dst``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    # The base alphabet is the 128 ASCII bytes (in byte-level form): any ASCII text encodes,
+    # and every token decodes to whole characters, so generated text is plain UTF-8.
+    ascii_alphabet = [bpe.pre_tokenizer.pre_tokenize_str(chr(b))[0][0] for b in range(128)]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=CHATML_SPECIALS, initial_alphabet=ascii_alphabet,
+                                  show_progress=False)
+    bpe.train_from_iterator(_TINY_CHAT_CORPUS * 4, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(dst)
+    return tok
+
+
+def build_tiny_chat(dst: Path, max_seeds: int = 20) -> TinyChat:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = build_chatml_tokenizer(dst)
+    messages = [{"role": "system", "content": TINY_CHAT_SYSTEM}, {"role": "user", "content": TINY_CHAT_USER}]
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompt_ids = list(prompt_ids["input_ids"])
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    specials = set(tok.all_special_ids)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+                      bos_token_id=None, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    for seed in range(max_seeds):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=TINY_CHAT_MAX_TOKENS, eos_token_id=eos,
+                                 pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[0, len(prompt_ids):].tolist()
+        top2 = torch.stack(out.logits).float().topk(2, dim=-1).values  # (steps, 1, 2)
+        margin = float((top2[..., 0] - top2[..., 1]).min())
+        if len(new) == TINY_CHAT_MAX_TOKENS and not specials & set(new) and margin > TINY_CHAT_MIN_MARGIN:
+            model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+            model.save_pretrained(dst, safe_serialization=True)
+            return TinyChat(dst, prompt_ids, new, tok.decode(new, skip_special_tokens=True), seed)
+    raise RuntimeError(f"no seed below {max_seeds} gives a greedy run of {TINY_CHAT_MAX_TOKENS} plain tokens "
+                       f"with top-1 margins > {TINY_CHAT_MIN_MARGIN}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> TinyChat:
+    """The tiny ChatML checkpoint and transformers' greedy answer (see :class:`TinyChat`)."""
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny-chat") / "tiny-chatml")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_server(tmp_path_factory, tiny_chat) -> Server:
+    """``tiny_chat`` served as ``tiny-chatml``."""
+    srv = start_server(tmp_path_factory.mktemp("serve-tiny-chat"), tiny_chat.path,
+                       server={"model_name": "tiny-chatml"})
     yield srv
     srv.stop()

@@ -4,7 +4,7 @@ Capabilities come from the static kernel table, so reading them imports no kerne
 """
 
 from zllm.plugin_api import BackendInfo, KernelRegistry, hookimpl
-from zllm_backend_cpu.kernels import CAPABILITIES, KERNELS
+from zllm_backend_cpu.kernels import CAPABILITIES, INVARIANT_AS_IS, INVARIANT_KERNELS, KERNELS
 
 ZLLM_PLUGIN_API = "1.0"
 BACKEND = "cpu"
@@ -26,4 +26,8 @@ def zllm_backends() -> list[BackendInfo]:
 @hookimpl
 def zllm_register_kernels(registry: KernelRegistry) -> None:
     for op, formats, impl in KERNELS:
-        registry.register(op, BACKEND, formats, impl, registered_by="zllm-backend-cpu")
+        registry.register(op, BACKEND, formats, impl, registered_by="zllm-backend-cpu",
+                          batch_invariant=op in INVARIANT_AS_IS)
+    for op, formats, impl in INVARIANT_KERNELS:
+        registry.register(op, BACKEND, formats, impl, priority=-1, registered_by="zllm-backend-cpu",
+                          batch_invariant=True)

@@ -26,6 +26,20 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("sample", ("f32",), f"{_PKG}.sampling:sample"),
 ]
 
+#: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
+#: :mod:`zllm_backend_cpu.kernels.invariant` for why); registered with ``batch_invariant=True``.
+INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "rope", "sample"})
+
+#: Batch-invariant kernels for the other ops, registered at priority -1 with
+#: ``batch_invariant=True``: chosen only when ``runtime.batch_invariant`` is on.
+INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
+    ("linear", ("f32", "f16", "bf16"), f"{_PKG}.invariant:linear_dense_invariant"),
+    ("linear", QUANT_FORMATS, f"{_PKG}.invariant:linear_quant_invariant"),
+    ("attention", ("paged",), f"{_PKG}.invariant:attention_invariant"),
+    ("attention_sliding", ("paged",), f"{_PKG}.invariant:attention_sliding_invariant"),
+    ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
+]
+
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)
 
-__all__ = ["CAPABILITIES", "KERNELS"]
+__all__ = ["CAPABILITIES", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "KERNELS"]

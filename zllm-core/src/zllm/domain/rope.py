@@ -225,9 +225,35 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_fact
     assert positions.dim() == 1, positions.shape
     assert inv_freq.dim() == 1 and inv_freq.dtype == torch.float32, (inv_freq.shape, inv_freq.dtype)
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D2]
+    cos, sin = _row_invariant(torch.cos, freqs), _row_invariant(torch.sin, freqs)
     if attention_factor == 1.0:
-        return freqs.cos(), freqs.sin()
-    return freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        return cos, sin
+    return cos * attention_factor, sin * attention_factor
+
+
+_ROW_CALL_ELEMENTS = 32768  # at::internal::GRAIN_SIZE: a call this small runs on one thread
+_ROW_MULTIPLE = 64  # padded row width: every element sits in a full SIMD vector, never a scalar tail
+
+
+def _row_invariant(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn`` over ``x [T, N]``, each row bit-identical whatever ``T`` is.
+
+    torch's CPU loops compute whole SIMD vectors and a scalar tail with a different libm
+    (Sleef vs ``std::cos``), so ``cos`` of one position could change by an ulp with the
+    number of tokens in the step. Rows are padded to a multiple of 64 and computed in calls
+    of one fixed shape ``[R, N']`` of at most 32768 elements (one thread, no split), so
+    every element always takes the same path (``runtime.batch_invariant``).
+    """
+    t, n = x.shape
+    width = -(-n // _ROW_MULTIPLE) * _ROW_MULTIPLE
+    rows = max(1, _ROW_CALL_ELEMENTS // width)
+    buf = torch.zeros(rows, width, dtype=x.dtype, device=x.device)  # [R, N']
+    out = torch.empty_like(x)  # [T, N]
+    for start in range(0, t, rows):
+        stop = min(t, start + rows)
+        buf[: stop - start, :n] = x[start:stop]
+        out[start:stop] = fn(buf)[: stop - start, :n]
+    return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

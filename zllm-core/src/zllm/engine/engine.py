@@ -44,7 +44,7 @@ class Engine:
             loaded.model, loaded.ops, loaded.tokenizer, kv, loaded.eos_token_ids,
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
-            device=loaded.backend.device,
+            device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
         )
         self._lock = threading.Lock()
         self._queues: dict[int, deque[StepOutput]] = {}

@@ -77,8 +77,10 @@ class PagedKVCache:
         """Extra blocks ``seq`` needs to hold ``num_new_tokens`` more tokens."""
         return max(0, math.ceil((seq.num_tokens + num_new_tokens) / self.block_size) - len(seq.blocks))
 
-    def can_append(self, seq: SeqKV, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free) + len(self._outside_window(seq))
+    def can_append(self, seq: SeqKV, num_new_tokens: int, reserved: int = 0) -> bool:
+        """Whether ``append(seq, num_new_tokens)`` would succeed with ``reserved`` free blocks
+        already promised to other sequences (a scheduler planning one step)."""
+        return self.blocks_needed(seq, num_new_tokens) + reserved <= len(self._free) + len(self._outside_window(seq))
 
     def append(self, seq: SeqKV, num_new_tokens: int) -> list[int]:
         """Reserve slots for ``num_new_tokens`` new tokens of ``seq`` and return them.

@@ -49,19 +49,20 @@ class LLMEngine:
         tokenizer: a ``zllm.tokenizer.Tokenizer``.
         kv: the paged KV cache sized for this model.
         eos_token_ids: ids that end generation (from generation config / GGUF / config).
-        max_num_seqs, max_prefill_tokens, prefix_cache_seqs: scheduler settings.
+        max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens: scheduler
+            settings (``zllm.runtime.scheduler``).
         context_length: the context window in tokens.
         device: where batch tensors go.
     """
 
     def __init__(self, model, ops, tokenizer, kv: PagedKVCache, eos_token_ids: frozenset[int], *,
                  max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int, context_length: int,
-                 device: torch.device):
+                 device: torch.device, max_batch_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
-        self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs)
-        self.runner = ModelRunner(model, ops, kv, device)
+        self.runner = ModelRunner(model, ops, kv, device)  # first: it sets the cache's sliding window
+        self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens)
         self._ids = itertools.count()
 
     def add_request(self, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int) -> Sequence:
@@ -70,6 +71,7 @@ class LLMEngine:
         Raises:
             RequestError: empty prompt or a token id outside the vocabulary.
             ContextLengthError: the prompt is longer than the context window.
+            RequestError: the prompt needs more KV blocks than the whole cache has.
         """
         if not prompt_ids:
             raise RequestError("prompt", "the prompt is empty after tokenization (and no BOS token is added)")
@@ -79,6 +81,7 @@ class LLMEngine:
             raise RequestError("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) > self.context_length:
             raise ContextLengthError(len(prompt_ids), self.context_length)
+        self.scheduler.check_fits(len(prompt_ids))
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
         seq = Sequence(
@@ -128,7 +131,9 @@ class LLMEngine:
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.push([token]))
         if stopped:
             return self._finish(seq, "stop", text, (token,), flush=False)
-        if len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length:
+        cap = self.scheduler.max_tokens_per_seq  # a sequence that fills the whole KV pool stops there
+        if (len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length
+                or (cap is not None and seq.num_tokens >= cap)):
             return self._finish(seq, "length", text, (token,))
         return StepOutput(seq, text, (token,), False)
 

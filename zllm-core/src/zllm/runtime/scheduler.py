@@ -1,12 +1,33 @@
-"""Which tokens run in the next step: prefill chunks first, then Decode Rounds.
+"""Which tokens run in the next step: continuous batching with chunked prefill.
 
-Policy (vLLM's default, without mixed batches): if a sequence still has prompt tokens to
-compute, the step is a prefill of up to ``max_prefill_tokens`` of them (New Prefill, or
-Append Prefill when part of the sequence is already cached — a reused prefix or an earlier
-chunk). Otherwise the step is a Decode Round: one token for every running sequence. A new
-request is admitted while fewer than ``max_num_seqs`` run. When a Decode Round cannot get
-KV blocks, parked prefix-cache entries are evicted first, then the newest running sequence
-is preempted: its KV is freed and it is recomputed later (vLLM's recompute preemption).
+Policy (vLLM's, with mixed batches):
+
+- **Step.** One step carries a *Decode Round* — one token for every running sequence whose
+  prompt is fully computed — plus at most one *prefill chunk* of the oldest running
+  sequence that still has prompt tokens to compute (New Prefill, or Append Prefill after a
+  reused prefix, an earlier chunk or a preemption). The chunk has
+  ``min(max_prefill_tokens, max_batch_tokens - decodes)`` tokens, so a long prompt advances
+  a chunk per step while the running streams keep getting a token per step.
+- **Admission.** Between steps, when no running sequence is mid-prefill and fewer than
+  ``max_num_seqs`` run, the head of the waiting queue (FIFO) is admitted if the KV blocks
+  for its whole prompt fit in the free blocks plus what evicting the prefix cache would
+  free. Otherwise it waits — running out of KV blocks queues requests, it never fails them.
+- **Preemption under KV pressure** (vLLM's *recompute* preemption). Reserving a step's
+  blocks first evicts parked prefix-cache entries (least recently used first). If that is not
+  enough, the newest running sequence is preempted: its KV blocks are freed, it returns
+  to the front of the waiting queue with its tokens so far, and when readmitted its prompt
+  plus generated tokens are prefilled again; it resumes where it stopped. Its sampler's
+  generator is untouched, so seeded sampling continues its stream; with
+  ``runtime.batch_invariant`` the recomputed numbers are bit-identical too. The oldest
+  sequence is never preempted for a newer one, so it always progresses. A prefill chunk
+  that does not fit while decodes run is skipped for that step (decodes go first).
+- **Limits.** A prompt needing more blocks than the whole pool is rejected when it is
+  submitted (:meth:`Scheduler.check_fits`, a ``RequestError`` naming both sizes); a
+  sequence stops with finish reason ``length`` when it fills the pool
+  (:attr:`Scheduler.max_tokens_per_seq`). So :class:`~zllm.runtime.kv_cache.OutOfKVBlocks`
+  never escapes a step, and no request fails because of another.
+
+:attr:`Scheduler.stats` counts what the steps contained (for tests and metrics).
 """
 
 from __future__ import annotations
@@ -15,16 +36,44 @@ from collections import OrderedDict, deque
 
 import attrs
 
-from zllm.runtime.kv_cache import OutOfKVBlocks, PagedKVCache, SeqKV
+from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.sequence import Sequence, SeqStatus
+from zllm.spec.errors import RequestError
 
 
 @attrs.frozen
 class ScheduledStep:
-    """The work of one step: ``(sequence, number of new tokens to compute)`` pairs."""
+    """The work of one step: ``(sequence, number of new tokens to compute)`` pairs — the
+    Decode Round's ``num_decodes`` items first, then at most one prefill chunk."""
 
     items: tuple[tuple[Sequence, int], ...]
-    is_prefill: bool
+    num_decodes: int
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.items[self.num_decodes:])
+
+
+@attrs.define
+class SchedulerStats:
+    """Counters over every step a scheduler produced.
+
+    Attributes:
+        steps: steps scheduled.
+        decode_tokens, prefill_tokens: tokens scheduled as decodes / in prefill chunks.
+        mixed_steps: steps carrying a Decode Round and a prefill chunk together.
+        max_decodes_per_step: the most sequences one Decode Round held.
+        preemptions: running sequences preempted (KV freed, recomputed later).
+        admission_waits: steps in which the queue head waited for KV blocks.
+    """
+
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    mixed_steps: int = 0
+    max_decodes_per_step: int = 0
+    preemptions: int = 0
+    admission_waits: int = 0
 
 
 class PrefixCache:
@@ -68,6 +117,11 @@ class PrefixCache:
         self.kv.truncate(seq_kv, best_len)
         return seq_kv, best_len
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held by parked entries (all freed by evicting every entry)."""
+        return sum(sum(1 for b in kv.blocks if b >= 0) for _, kv in self._entries.values())
+
     def evict_one(self) -> bool:
         if not self._entries:
             return False
@@ -77,15 +131,55 @@ class PrefixCache:
 
 
 class Scheduler:
-    """Queues of waiting and running sequences, and the step policy above."""
+    """Queues of waiting and running sequences, and the step policy above.
 
-    def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int):
+    Args:
+        kv: the engine's paged KV cache.
+        max_num_seqs: sequences running at once.
+        max_prefill_tokens: tokens per prefill chunk.
+        prefix_cache_seqs: finished sequences parked for prefix reuse.
+        max_batch_tokens: tokens per step (decodes + chunk); None = ``max_num_seqs + max_prefill_tokens``.
+    """
+
+    def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int,
+                 max_batch_tokens: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_batch_tokens = max_batch_tokens if max_batch_tokens is not None else max_num_seqs + max_prefill_tokens
+        assert self.max_batch_tokens >= max_num_seqs, (self.max_batch_tokens, max_num_seqs)
         self.prefix_cache = PrefixCache(kv, prefix_cache_seqs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._promised = 0
+
+    @property
+    def max_tokens_per_seq(self) -> int | None:
+        """Tokens one sequence can hold when it has the whole pool (None: a sliding window
+        frees old blocks, so the pool does not bound its length)."""
+        return None if self.kv.sliding_window is not None else self.kv.num_blocks * self.kv.block_size
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        blocks = -(-num_tokens // self.kv.block_size)
+        if self.kv.sliding_window is not None:  # older blocks are freed as the prefill moves on
+            blocks = min(blocks, -(-(self.kv.sliding_window + self.max_prefill_tokens) // self.kv.block_size) + 1)
+        return blocks
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Reject a prompt the pool can never hold, whatever else runs.
+
+        Raises:
+            RequestError: naming the prompt's blocks and the pool's.
+        """
+        need = self._blocks_for(num_prompt_tokens)
+        if need > self.kv.num_blocks:
+            raise RequestError(
+                "prompt",
+                f"the prompt ({num_prompt_tokens} tokens) needs {need} KV cache blocks of {self.kv.block_size} tokens, "
+                f"but the whole cache has {self.kv.num_blocks} blocks ({self.kv.num_blocks * self.kv.block_size} "
+                f"tokens; runtime.kv_cache.num_blocks)",
+            )
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -95,55 +189,93 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step's work, or None when idle."""
-        for seq in self.running:
-            if seq.num_tokens - seq.num_computed > 1:  # a prefill chunk left (or recompute)
-                return self._prefill(seq)
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            if seq.num_computed == 0:
-                reused = self.prefix_cache.take(seq.all_ids)
-                if reused is not None:
-                    seq.kv, seq.cached_tokens = reused
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            return self._prefill(seq)
-        if not self.running:
+        self._promised = 0  # free blocks promised to this step's sequences so far
+        prefilling = next((s for s in self.running if self._prefill_left(s)), None)
+        if prefilling is None:
+            admitted = self._admit()  # with a reused prefix of all but one token it decodes at once
+            prefilling = admitted if admitted is not None and self._prefill_left(admitted) else None
+        decodes = self._reserve_decodes([s for s in self.running if s is not prefilling])
+        items: list[tuple[Sequence, int]] = [(s, 1) for s in decodes]
+        if prefilling is not None and prefilling in self.running:
+            n = min(self._prefill_left(prefilling), self.max_prefill_tokens, self.max_batch_tokens - len(decodes))
+            n = self._fit_chunk(prefilling, n, preempt=not decodes)
+            if n:
+                items.append((prefilling, n))
+        if not items:
+            assert not self.running, "running sequences but nothing scheduled"
             return None
-        return self._decode()
+        step = ScheduledStep(tuple(items), len(decodes))
+        st = self.stats
+        st.steps += 1
+        st.decode_tokens += len(decodes)
+        st.prefill_tokens += step.prefill_tokens
+        st.mixed_steps += bool(decodes and step.prefill_tokens)
+        st.max_decodes_per_step = max(st.max_decodes_per_step, len(decodes))
+        return step
+
+    @staticmethod
+    def _prefill_left(seq: Sequence) -> int:
+        """Tokens still to prefill (a decode-phase sequence has exactly 1 uncomputed token)."""
+        left = seq.num_tokens - seq.num_computed
+        return left if left > 1 or seq.num_computed == 0 else 0
+
+    def _admit(self) -> Sequence | None:
+        """Move the queue head to running if a slot is free and its prompt's blocks fit."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if self._blocks_for(seq.num_tokens) > self.kv.num_free_blocks + self.prefix_cache.num_blocks:
+            self.stats.admission_waits += 1
+            return None
+        self.waiting.popleft()
+        if seq.num_computed == 0:
+            reused = self.prefix_cache.take(seq.all_ids)
+            if reused is not None:
+                seq.kv, seq.cached_tokens = reused
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return seq
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
-        while not self.kv.can_append(seq.kv, n):
+        """Promise ``seq`` the blocks for ``n`` more tokens in the step being planned (the
+        runner takes them), evicting prefix-cache entries as needed."""
+        while not self.kv.can_append(seq.kv, n, self._promised):
             if not self.prefix_cache.evict_one():
                 return False
+        self._promised += self.kv.blocks_needed(seq.kv, n)
         return True
 
-    def _prefill(self, seq: Sequence) -> ScheduledStep:
-        n = min(seq.num_tokens - seq.num_computed, self.max_prefill_tokens)
-        if not self._reserve(seq, n):
-            victims = [s for s in self.running if s is not seq]
-            if not victims:
-                raise OutOfKVBlocks(
-                    f"KV cache too small for one sequence: {seq.num_tokens} tokens need "
-                    f"{-(-seq.num_tokens // self.kv.block_size)} blocks, the pool has {self.kv.num_blocks}"
-                )
-            self._preempt(victims[-1])
-            return self._prefill(seq)
-        return ScheduledStep(((seq, n),), True)
+    def _reserve_decodes(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The decode-phase sequences that got a block for their next token, oldest first,
+        preempting the newest running sequence while one is short."""
+        for seq in decoding:
+            while seq in self.running and not self._reserve(seq, 1):
+                self._preempt(self.running[-1])
+        return [s for s in decoding if s in self.running]
 
-    def _decode(self) -> ScheduledStep:
-        for seq in list(self.running):
-            if seq in self.running and not self._reserve(seq, 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is not seq and not self._reserve(seq, 1):
-                    self._preempt(seq)
-        return ScheduledStep(tuple((s, 1) for s in self.running), False) if self.running else self.schedule()
+    def _fit_chunk(self, seq: Sequence, n: int, preempt: bool) -> int:
+        """Tokens of a chunk of up to ``n`` that ``seq`` can get blocks for (0: skip it this
+        step). With ``preempt`` (no decode this step) newer sequences make room."""
+        while not self._reserve(seq, n):
+            room = n - 1
+            while room and not self.kv.can_append(seq.kv, room, self._promised):
+                room -= 1
+            if room:
+                self._promised += self.kv.blocks_needed(seq.kv, room)
+                return room
+            newer = self.running[self.running.index(seq) + 1:]
+            if not preempt or not newer:
+                assert not preempt, "an admitted sequence alone cannot get its blocks"
+                return 0
+            self._preempt(newer[-1])
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.kv)
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence; its KV goes to the prefix cache."""

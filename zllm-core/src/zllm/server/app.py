@@ -26,13 +26,6 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest request body accepted; larger ones get 413 (a context window of text is far smaller)."""
 
-# Protocol field names that the engine's own error names should be reported as.
-_RENAMES = {
-    "/v1/chat/completions": openai_chat.RENAMES,
-    "/v1/messages": anthropic_messages.RENAMES,
-    "/v1/responses": openai_responses.RENAMES,
-}
-
 
 def served_model_name(engine) -> str:
     """``server.model_name`` from the config, else the model folder's or file's stem."""
@@ -52,7 +45,9 @@ def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = M
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(request.url.path, validation_error(list(exc.errors()), _RENAMES.get(request.url.path)))
+        # Pydantic locations are already in the protocol's terms (the body models use its field
+        # names); the routes' RENAMES are for the engine's RequestError fields only.
+        return error_response(request.url.path, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -9,7 +9,7 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -45,6 +45,30 @@ class StrictModel(BaseModel):
     1) and unknown fields are a 400 naming the field."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        # JSON can spell a lone UTF-16 surrogate ("\\ud800") that is no Unicode text: the
+        # tokenizer cannot take it and a response echoing it cannot be encoded as UTF-8.
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text holds an unpaired UTF-16 surrogate ({value[exc.start]!a} at index "
+                             f"{exc.start}), which is not Unicode text; send valid UTF-8") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
 
 
 class SamplingFields(StrictModel):
@@ -127,3 +151,10 @@ def stop_sequence_matched(engine, stop: list[str], text: str, token_ids: list[in
         if i >= 0 and (best is None or (i, -len(s)) < best[:2]):
             best = (i, -len(s), s)
     return best[2] if best else None
+
+
+def openai_usage(final: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``usage`` object from the engine's final event (Chat and Completions)."""
+    u = final["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}

@@ -13,7 +13,8 @@ Anthropic's on ``/v1/messages``:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -66,8 +67,16 @@ def error_body(path: str, err: ApiError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": openai_type, "param": err.param, "code": err.code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII text escaped: an error message may quote client text, and a lone
+    surrogate (valid as a JSON escape, not encodable as UTF-8) must not turn a 400 into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(path: str, err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(path, err), status_code=err.status)
+    return _AsciiJSONResponse(error_body(path, err), status_code=err.status)
 
 
 # ------------------------------------------------------------------ pydantic -> ApiError
@@ -79,29 +88,42 @@ def _is_type_tag(part: Any) -> bool:
     )
 
 
-def _param(loc: Iterable[Any], renames: Mapping[str, str]) -> str:
+def _path(error: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Where a pydantic error is, as field names and list indices in the request's own terms
+    (``("messages", 0, "content")``); ``()`` for the body itself. The body models use the
+    protocol's field names, so no renaming applies.
+
+    Type tags pydantic puts into a location (union members) are dropped, except the last part
+    of an unknown-field error, which is the client's key whatever it looks like
+    (``Temperature``, ``a-b``, ``str``)."""
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    keep_last = error.get("type") == "extra_forbidden"
+    return tuple(part for i, part in enumerate(loc)
+                 if not _is_type_tag(part) or (keep_last and i == len(loc) - 1))
+
+
+def _param(path: tuple[Any, ...]) -> str:
     out = ""
-    for part in loc:
-        if part == "body" and not out:
-            continue
-        if _is_type_tag(part):
-            continue
+    for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += f".{part}" if out else renames.get(str(part), str(part))
+            name = str(part) or '""'  # an empty key still names a field
+            out += f".{name}" if out else name
     return out
 
 
-def validation_error(errors: list[Mapping[str, Any]], renames: Mapping[str, str] | None = None) -> ApiError:
+def validation_error(errors: list[Mapping[str, Any]]) -> ApiError:
     """One 400 from pydantic/FastAPI validation errors: the first failing field, with every
     message about that field (a union reports one per member)."""
-    renames = renames or {}
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return ApiError(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
-    param = _param(first.get("loc", ()), renames)
+    path = _path(first)
+    param = _param(path)
     if not param and first.get("type") == "missing":
         return ApiError(400, "the request body is empty; expected a JSON object", code="invalid_request")
     if not param and isinstance(first.get("input"), (bytes, bytearray)):
@@ -109,7 +131,7 @@ def validation_error(errors: list[Mapping[str, Any]], renames: Mapping[str, str]
                         code="invalid_request")
     msgs: list[str] = []
     for e in errors:
-        if _param(e.get("loc", ()), renames) == param or (param and _param(e.get("loc", ()), renames).startswith(param)):
+        if path and _path(e)[: len(path)] == path or _path(e) == path:  # the field, or inside it
             msg = _message(e)
             if msg not in msgs:
                 msgs.append(msg)

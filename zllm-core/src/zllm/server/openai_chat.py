@@ -13,7 +13,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from zllm.server.common import SamplingFields, StrictModel, new_id, reject_if, sse, sse_response, state
+from zllm.server.common import SamplingFields, openai_usage, StrictModel, new_id, reject_if, sse, sse_response, state
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
 from zllm.server.openai_completions import StreamOptions
@@ -113,12 +113,6 @@ def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
     return req
 
 
-def _usage(final: dict[str, Any]) -> dict[str, Any]:
-    u = final["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = state(request)
@@ -131,7 +125,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return {"id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                              "finish_reason": final["finish_reason"], "logprobs": None}],
-                "usage": _usage(final)}
+                "usage": openai_usage(final)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -153,7 +147,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 continue
             yield sse(chunk([{"index": 0, "delta": {}, "finish_reason": event["finish_reason"], "logprobs": None}]))
             if include_usage:
-                yield sse(chunk([], _usage(event)))
+                yield sse(chunk([], openai_usage(event)))
         yield sse("[DONE]")
 
     return sse_response(events(), stream)

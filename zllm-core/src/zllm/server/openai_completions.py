@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from pydantic import Field
 from starlette.requests import Request
 
-from zllm.server.common import SamplingFields, StrictModel, new_id, reject_if, sse, sse_response, state
+from zllm.server.common import SamplingFields, openai_usage, StrictModel, new_id, reject_if, sse, sse_response, state
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
 
@@ -75,12 +75,6 @@ def engine_request(body: CompletionRequest) -> dict[str, Any]:
     return req
 
 
-def _usage(final: dict[str, Any]) -> dict[str, Any]:
-    u = final["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
-
-
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     st = state(request)
@@ -98,7 +92,7 @@ async def completions(body: CompletionRequest, request: Request):
     if not body.stream:
         text, final = await run_to_end(stream, request)
         return chunk([{"index": 0, "text": text, "finish_reason": final["finish_reason"], "logprobs": None}],
-                     _usage(final), True)
+                     openai_usage(final), True)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -112,7 +106,7 @@ async def completions(body: CompletionRequest, request: Request):
             yield sse(chunk([{"index": 0, "text": "", "finish_reason": event["finish_reason"], "logprobs": None}],
                             None, include_usage))
             if include_usage:
-                yield sse(chunk([], _usage(event), True))
+                yield sse(chunk([], openai_usage(event), True))
         yield sse("[DONE]")
 
     return sse_response(events(), stream)

@@ -234,7 +234,9 @@ class KvCacheConfig:
 def _check_max_batch_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     # A step carries a Decode Round of up to max_num_seqs - 1 sequences next to the one
     # sequence in prefill; the budget must leave that chunk at least one token.
-    if value is not None and _is_int(value) and value < instance.max_num_seqs:
+    if not POSITIVE_INT.or_null().ok(value):
+        raise ConfigError(_key_path(type(instance), attribute.name), POSITIVE_INT.or_null().describe_failure(value))
+    if value is not None and value < instance.max_num_seqs:
         raise ConfigError(_key_path(type(instance), attribute.name),
                           f"expected an int >= runtime.max_num_seqs ({instance.max_num_seqs}) or null, got {value}")
 
@@ -264,17 +266,15 @@ class RuntimeConfig:
             for the same batch composition and seed, but on CPU a matmul's rounding changes
             with the number of rows (f32 ``[1, K]`` vs ``[16, K]`` against the same weight:
             row 0 differs by up to 3e-6 at K = 64, 3e-5 at K = 512, 5e-5 at K = 1376), which
-            can flip a near-tie. Cost on the CPU backend: see ``docs/server.md``
-            ("Batch-invariant mode").
+            can flip a near-tie. Cost on the CPU backend, decode with 8 concurrent
+            sequences: 0-15% fewer tokens/s on stories260K, 13-30% on a random Llama of
+            hidden 512 (``docs/server.md``, "Batch-invariant mode").
     """
 
     kv_cache: KvCacheConfig = attrs.Factory(KvCacheConfig)
     max_num_seqs: int = _config_field(POSITIVE_INT, 8)
     max_prefill_tokens: int = _config_field(POSITIVE_INT, 512)
-    max_batch_tokens: int | None = attrs.field(
-        default=None,
-        validator=[_config_field(POSITIVE_INT.or_null()).validator, _check_max_batch_tokens],
-    )
+    max_batch_tokens: int | None = attrs.field(default=None, validator=_check_max_batch_tokens)
     context_length: int | None = _config_field(POSITIVE_INT.or_null(), None)
     prefix_cache_seqs: int = _config_field(NON_NEGATIVE_INT, 4)
     batch_invariant: bool = _config_field(Check("true or false", lambda v: isinstance(v, bool)), False)

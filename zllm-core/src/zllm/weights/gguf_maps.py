@@ -102,20 +102,24 @@ def _head_dim(config: dict[str, Any]) -> int:
     return config["hidden_size"] // config["num_attention_heads"]
 
 
+# The transformer-decoder hyperparameters llama.cpp stores under the same names for every
+# architecture mapped here (llama.cpp's LLM_KV_* keys, prefixed with the architecture).
+_DECODER_KEYS = (
+    ConfigKey("max_position_embeddings", "context_length"),
+    ConfigKey("hidden_size", "embedding_length"),
+    ConfigKey("intermediate_size", "feed_forward_length"),
+    ConfigKey("num_hidden_layers", "block_count"),
+    ConfigKey("num_attention_heads", "attention.head_count"),
+    ConfigKey("num_key_value_heads", "attention.head_count_kv", _heads),
+    ConfigKey("head_dim", "attention.key_length", _head_dim),
+    ConfigKey("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
+    ConfigKey("rope_theta", "rope.freq_base", 10000.0),
+)
+
 LLAMA = GGUFArchMap(
     model_type="llama",
     constants={"hidden_act": "silu"},
-    keys=(
-        ConfigKey("max_position_embeddings", "context_length"),
-        ConfigKey("hidden_size", "embedding_length"),
-        ConfigKey("intermediate_size", "feed_forward_length"),
-        ConfigKey("num_hidden_layers", "block_count"),
-        ConfigKey("num_attention_heads", "attention.head_count"),
-        ConfigKey("num_key_value_heads", "attention.head_count_kv", _heads),
-        ConfigKey("head_dim", "attention.key_length", _head_dim),
-        ConfigKey("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
-        ConfigKey("rope_theta", "rope.freq_base", 10000.0),
-    ),
+    keys=_DECODER_KEYS,
     global_tensors={
         "token_embd": "model.embed_tokens",
         "output_norm": "model.norm",
@@ -137,22 +141,11 @@ LLAMA = GGUFArchMap(
     rope_rows={"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"},
 )
 
-_QWEN_KEYS = (
-    ConfigKey("max_position_embeddings", "context_length"),
-    ConfigKey("hidden_size", "embedding_length"),
-    ConfigKey("intermediate_size", "feed_forward_length"),
-    ConfigKey("num_hidden_layers", "block_count"),
-    ConfigKey("num_attention_heads", "attention.head_count"),
-    ConfigKey("num_key_value_heads", "attention.head_count_kv", _heads),
-    ConfigKey("head_dim", "attention.key_length", _head_dim),
-    ConfigKey("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
-    ConfigKey("rope_theta", "rope.freq_base", 10000.0),
-)
 
 QWEN2 = GGUFArchMap(
     model_type="qwen2",
     constants={"hidden_act": "silu"},
-    keys=_QWEN_KEYS,
+    keys=_DECODER_KEYS,
     global_tensors=LLAMA.global_tensors,
     block_tensors=LLAMA.block_tensors,
     bias_flags={},  # q/k/v biases are part of the architecture (Qwen2Attention)
@@ -163,7 +156,7 @@ QWEN2 = GGUFArchMap(
 QWEN3 = GGUFArchMap(
     model_type="qwen3",
     constants={"hidden_act": "silu"},
-    keys=_QWEN_KEYS,
+    keys=_DECODER_KEYS,
     global_tensors=LLAMA.global_tensors,
     block_tensors={**LLAMA.block_tensors, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     bias_flags={"attention_bias": "attn_q"},

@@ -179,6 +179,7 @@ class HFCheckpoint(Checkpoint):
     def files(self) -> list[Path]:
         names = [CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
         files = [self.path / n for n in names if (self.path / n).is_file()]
+        files += [f for _, f in self._chat_template_files()]
         if self._index is not None:
             files.append(self._index)
         return files + list(self._shards)
@@ -244,12 +245,16 @@ class HFCheckpoint(Checkpoint):
         tokenizer_config = _read_json(tokenizer_config_file) if tokenizer_config_file.is_file() else None
         # Chat template files as transformers 5 saves them; they win over tokenizer_config's.
         templates: dict[str, str] = {}
-        extra = self.path / "additional_chat_templates"
-        for name, file in [("default", self.path / "chat_template.jinja"),
-                           *((f.name.removesuffix(".jinja"), f) for f in sorted(extra.glob("*.jinja")))]:
-            if file.is_file():
-                try:
-                    templates[name] = file.read_text(encoding="utf-8")
-                except (OSError, UnicodeDecodeError) as exc:
-                    raise CheckpointError(str(file), f"cannot read chat template: {exc}") from exc
+        for name, file in self._chat_template_files():
+            try:
+                templates[name] = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(str(file), f"cannot read chat template: {exc}") from exc
         return Tokenizer.from_hf_files(tokenizer_json, tokenizer_config, self.generation_config or None, templates)
+
+    def _chat_template_files(self) -> list[tuple[str, Path]]:
+        """``(name, file)`` of the chat templates saved beside the tokenizer (transformers 5)."""
+        extra = self.path / "additional_chat_templates"
+        candidates = [("default", self.path / "chat_template.jinja"),
+                      *((f.name.removesuffix(".jinja"), f) for f in sorted(extra.glob("*.jinja")))]
+        return [(name, f) for name, f in candidates if f.is_file()]
