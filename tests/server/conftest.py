@@ -101,7 +101,7 @@ def start_server(tmp_path: Path, model_dir: Path, **sections) -> Server:
     # 16 so all sixteen streams share one batch).
     sections.setdefault("runtime", {"batch_invariant": True, "max_num_seqs": 16})
     config = write_config(tmp_path, model_dir, **sections)
-    name = (sections.get("server") or {}).get("model_name") or model_dir.name
+    name = (sections.get("server") or {}).get("served_model_name") or model_dir.name
     return Server(config, name, tmp_path / "server.log")
 
 
@@ -147,7 +147,7 @@ def server(tmp_path_factory) -> Server:
 def chat_server(tmp_path_factory) -> Server:
     """stories260K with a chat template, served as ``stories-chat``."""
     tmp = tmp_path_factory.mktemp("serve-chat")
-    srv = start_server(tmp, chat_model_dir(tmp / "stories-chat"), server={"model_name": "stories-chat"})
+    srv = start_server(tmp, chat_model_dir(tmp / "stories-chat"), server={"served_model_name": "stories-chat"})
     yield srv
     srv.stop()
 
@@ -262,6 +262,6 @@ def tiny_chat(tmp_path_factory) -> TinyChat:
 def tiny_chat_server(tmp_path_factory, tiny_chat) -> Server:
     """``tiny_chat`` served as ``tiny-chatml``."""
     srv = start_server(tmp_path_factory.mktemp("serve-tiny-chat"), tiny_chat.path,
-                       server={"model_name": "tiny-chatml"})
+                       server={"served_model_name": "tiny-chatml"})
     yield srv
     srv.stop()

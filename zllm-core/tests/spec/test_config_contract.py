@@ -64,7 +64,7 @@ def test_minimal_config_takes_every_default(base: dict[str, Any], ckpt_dir: Path
     assert (cfg.runtime.context_length, cfg.runtime.prefix_cache_seqs) == (None, 4)
     assert cfg.generation == GenerationDefaults()
     assert cfg.generation.max_new_tokens == 256 and cfg.generation.temperature == 0.0
-    assert (cfg.server.host, cfg.server.port, cfg.server.model_name) == ("127.0.0.1", 8000, None)
+    assert (cfg.server.host, cfg.server.port, cfg.server.served_model_name) == ("127.0.0.1", 8000, None)
 
 
 def test_load_config_resolves_relative_path_against_the_file(tmp_path: Path) -> None:
@@ -187,7 +187,7 @@ BAD_VALUES = [
     ("server.port", 0, "expected an int in 1..65535, got 0"),
     ("server.port", 65536, "expected an int in 1..65535, got 65536"),
     ("server.port", "8000", "expected an int in 1..65535, got '8000'"),
-    ("server.model_name", "", "expected a non-empty string or null, got ''"),
+    ("server.served_model_name", "", "expected a non-empty string or null, got ''"),
 ]
 
 
@@ -369,7 +369,7 @@ def valid_configs(draw: st.DrawFn, ckpt_dir: Path, gguf_file: Path) -> dict[str,
         ),
         generation=_generation,
         server=_optional_keys(
-            host=_names, port=st.integers(1, 65535), model_name=st.none() | _names
+            host=_names, port=st.integers(1, 65535), served_model_name=st.none() | _names
         ),
     )
     data.update(draw(sections))

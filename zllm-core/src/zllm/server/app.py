@@ -28,9 +28,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def served_model_name(engine) -> str:
-    """``server.model_name`` from the config, else the model folder's or file's stem."""
+    """``server.served_model_name`` from the config, else the model folder's or file's stem."""
     cfg = engine.config
-    return cfg.server.model_name or Path(cfg.model.path).stem
+    return cfg.server.served_model_name or Path(cfg.model.path).stem
 
 
 def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:

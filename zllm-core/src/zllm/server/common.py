@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from zllm.server.errors import ApiError
+from zllm.server.errors import ANTHROPIC_PATHS, ApiError, error_body
 from zllm.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -122,12 +122,13 @@ def sse_response(body, stream, *, anthropic: bool = False) -> StreamingResponse:
             async for chunk in body:
                 yield chunk
         except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
-            log.exception("error while streaming")
-            err = ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
-            if anthropic:
-                yield sse({"type": "error", "error": {"type": "api_error", "message": err.message}}, "error")
+            if isinstance(exc, ApiError):
+                err = exc
             else:
-                yield sse({"error": {"message": err.message, "type": "server_error", "param": None, "code": None}})
+                log.exception("error while streaming")
+                err = ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+            path = ANTHROPIC_PATHS[0] if anthropic else ""
+            yield sse(error_body(path, err), "error" if anthropic else None)
 
     return StreamingResponse(
         guarded(), media_type="text/event-stream",

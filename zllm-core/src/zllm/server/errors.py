@@ -26,6 +26,7 @@ _TYPES = {
     400: ("invalid_request_error", "invalid_request_error"),
     404: ("invalid_request_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
+    408: ("timeout", "timeout_error"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "invalid_request_error"),
     500: ("server_error", "api_error"),

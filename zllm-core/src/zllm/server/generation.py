@@ -8,7 +8,8 @@ threads form one continuous batch.
 Cancellation: when the client goes away, Starlette cancels the response task. anyio defers
 that cancellation until the worker thread's current ``next()`` (at most one engine step)
 returns; then :meth:`EngineStream.aclose` closes the engine's generator, which aborts the
-sequence and frees its KV blocks — within one round.
+sequence and frees its KV blocks — within one round. A request that outlives
+``server.request_timeout_s`` is closed the same way and answered with a 408.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class EngineStream:
         self._gen = None
         self._first: dict[str, Any] | None = None
         self._t_received = t_received
+        timeout_s = engine.config.server.request_timeout_s
+        self._deadline = None if timeout_s is None else t_received + timeout_s
         self._t_last_token: float | None = None
         self.final: dict[str, Any] | None = None
         self.prompt_tokens = 0
@@ -105,9 +108,18 @@ class EngineStream:
                 yield event
                 if event["type"] == "final":
                     return
+                self._check_deadline()
                 event = await anyio.to_thread.run_sync(next, self._gen, None)
         finally:
             await self.aclose()
+
+    def _check_deadline(self) -> None:
+        """Raise a 408 once ``server.request_timeout_s`` has passed (the caller's
+        ``finally`` then closes the stream, aborting the sequence)."""
+        if self._deadline is not None and time.perf_counter() > self._deadline:
+            timeout_s = self._engine.config.server.request_timeout_s
+            raise ApiError(408, f"request timed out after {timeout_s:g} s (server.request_timeout_s)",
+                           code="timeout")
 
     async def aclose(self) -> None:
         """Close the engine stream (abort the sequence unless it finished); idempotent."""

@@ -20,7 +20,7 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       prefix_cache_seqs: 4
       batch_invariant: false
     generation: {prompt: "", max_new_tokens: 256, temperature: 0.0, ...}
-    server: {host: 127.0.0.1, port: 8000, model_name: null}
+    server: {host: 127.0.0.1, port: 8000, served_model_name: null, request_timeout_s: null}
 
 Files are read with ruamel.yaml, migrated to :data:`SCHEMA_VERSION` by
 :mod:`zllm.spec.migrations`, structured into frozen attrs classes by cattrs, and validated by
@@ -118,6 +118,7 @@ NON_NEGATIVE_INT = Check("an int >= 0", lambda v: _is_int(v) and v >= 0)
 NON_EMPTY_STR = Check("a non-empty string", lambda v: isinstance(v, str) and v != "")
 STR = Check("a string", lambda v: isinstance(v, str))
 OPTIONAL_BOOL = Check("true, false or null", lambda v: v is None or isinstance(v, bool))
+POSITIVE_NUMBER = Check("a number > 0", lambda v: _is_number(v) and v > 0)
 PORT = Check("an int in 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
 
 TEMPERATURE = Check("a number >= 0 (0 = greedy)", lambda v: _is_number(v) and v >= 0)
@@ -329,13 +330,18 @@ class ServerConfig:
     Attributes:
         host: interface to bind, e.g. ``127.0.0.1`` (local only) or ``0.0.0.0``.
         port: TCP port, 1..65535.
-        model_name: the model id the HTTP APIs report and accept; ``None`` = derived
-            from ``model.path``.
+        served_model_name: the model id the HTTP APIs report and accept (vLLM's name for
+            it); ``None`` = the stem of ``model.path``.
+        request_timeout_s: seconds a request may run, from arrival to its last token; when
+            it runs out the sequence is aborted and its KV blocks freed within one round,
+            and the client gets a 408 (or a last ``error`` event once streaming).
+            ``None`` = no limit.
     """
 
     host: str = _config_field(NON_EMPTY_STR, "127.0.0.1")
     port: int = _config_field(PORT, 8000)
-    model_name: str | None = _config_field(NON_EMPTY_STR.or_null(), None)
+    served_model_name: str | None = _config_field(NON_EMPTY_STR.or_null(), None)
+    request_timeout_s: float | None = _config_field(POSITIVE_NUMBER.or_null(), None, converter=to_float)
 
 
 @attrs.frozen(kw_only=True)
