@@ -72,6 +72,20 @@ def test_seeded_sampling_is_reproducible(client, server):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_http_and_in_process_engine_give_the_same_tokens_for_the_same_seed(client, server, tmp_path):
+    import zllm
+    from tests.conftest import MODEL_DIR, write_config
+
+    sampling = {"temperature": 1.0, "top_p": 0.9, "seed": 11}
+    http = client.completions.create(model=server.model, prompt="Once", max_tokens=24,
+                                     extra_body={"top_k": 40}, **sampling)
+    engine = zllm.Engine.from_config(write_config(
+        tmp_path, MODEL_DIR / "hf", runtime={"batch_invariant": True, "max_num_seqs": 16}))
+    local = engine.generate({"prompt": "Once", "max_tokens": 24, "top_k": 40, **sampling})
+    assert http.choices[0].text == local["text"]
+    assert http.usage.completion_tokens == local["usage"]["completion_tokens"]
+
+
 def test_metrics_count_requests_tokens_and_latencies(client, server):
     before = server.metrics()
     key = 'zllm_requests_total{route="/v1/completions",status="200"}'
