@@ -166,3 +166,10 @@ def test_ignore_eos_runs_past_the_story_separator(engine):
     out = engine.generate({"prompt": "", "max_tokens": 400, "ignore_eos": True})
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 400
     assert out["token_ids"][: len(stopped["token_ids"])] == stopped["token_ids"]
+
+
+def test_prompt_filling_the_whole_context_window_is_rejected(engine):
+    with pytest.raises(ContextLengthError, match="512 tokens but the context window is 512 tokens and must leave room"):
+        engine.generate({"prompt_token_ids": [1] + [400] * 511, "max_tokens": 4})
+    out = engine.generate({"prompt_token_ids": [1] + [400] * 510, "max_tokens": 4, "stop_token_ids": []})
+    assert out["usage"]["total_tokens"] == 512 and out["finish_reason"] == "length"

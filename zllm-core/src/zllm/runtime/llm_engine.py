@@ -70,7 +70,7 @@ class LLMEngine:
 
         Raises:
             RequestError: empty prompt or a token id outside the vocabulary.
-            ContextLengthError: the prompt is longer than the context window.
+            ContextLengthError: the prompt leaves no room in the context window for a token.
             RequestError: the prompt needs more KV blocks than the whole cache has.
         """
         if not prompt_ids:
@@ -79,8 +79,8 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) > self.context_length:
-            raise ContextLengthError(len(prompt_ids), self.context_length)
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLengthError(len(prompt_ids), self.context_length, generating=True)
         self.scheduler.check_fits(len(prompt_ids))
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))

@@ -231,7 +231,11 @@ class Scheduler:
         if seq.num_computed == 0:
             reused = self.prefix_cache.take(seq.all_ids)
             if reused is not None:
-                seq.kv, seq.cached_tokens = reused
+                seq.kv, hit = reused
+                # usage.cached_tokens counts prompt tokens served from the cache; a sequence
+                # recomputed after preemption may also reuse its own generated tokens.
+                if not seq.output_ids:
+                    seq.cached_tokens = hit
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return seq

@@ -52,20 +52,30 @@ def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = M
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        code = None
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(request.url.path, ApiError(exc.status_code, message))
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        elif exc.status_code == 413:
+            code = "request_too_large"
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            # FastAPI's answer to a body that is not UTF-8 (or not decodable at all).
+            message, code = "the request body is not valid JSON: it is not UTF-8 text", "invalid_json"
+        # Keep the exception's headers: a 405 must name the allowed methods (RFC 9110 Allow).
+        return error_response(request.url.path, ApiError(exc.status_code, message, code=code), exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("internal error serving %s", request.url.path)
         return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
-    @app.get("/health")
+    # HEAD as well as GET on the read-only routes (uptime checks and load balancers probe with HEAD).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):
         st = state(request)
         return {"object": "list", "data": [
@@ -78,7 +88,7 @@ def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = M
         st.check_model(model_id)
         return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "zllm"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request):
         return Response(generate_latest(state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

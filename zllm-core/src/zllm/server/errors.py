@@ -57,7 +57,10 @@ def unsupported(field: str, why: str = "") -> ApiError:
 
 
 def is_anthropic(path: str) -> bool:
-    return path.rstrip("/") in ANTHROPIC_PATHS
+    """Whether ``path`` is Anthropic's (its routes and any path under them, e.g. an
+    unimplemented ``/v1/messages/count_tokens``, answer in Anthropic's error shape)."""
+    path = path.rstrip("/")
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
 def error_body(path: str, err: ApiError) -> dict[str, Any]:
@@ -76,8 +79,8 @@ class _AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(path: str, err: ApiError) -> JSONResponse:
-    return _AsciiJSONResponse(error_body(path, err), status_code=err.status)
+def error_response(path: str, err: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return _AsciiJSONResponse(error_body(path, err), status_code=err.status, headers=headers)
 
 
 # ------------------------------------------------------------------ pydantic -> ApiError

@@ -33,6 +33,11 @@ class ChatMessage(StrictModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    # An assistant message echoed back with ``message.model_dump()`` carries these as null
+    # (or []): accepted; a set ``function_call``/``audio`` is rejected like ``tool_calls``.
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None  # accepted and ignored
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -83,9 +88,12 @@ def engine_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         raise ApiError(400, "messages: must hold at least one message", param="messages", code="invalid_value")
     out = []
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function") or m.tool_calls or m.tool_call_id:
+        if m.role in ("tool", "function") or m.tool_calls or m.tool_call_id or m.function_call:
             raise ApiError(400, f"messages[{i}]: tool and function messages are not supported by zllm",
                            param=f"messages[{i}]", code="unsupported_parameter")
+        if m.audio:
+            raise ApiError(400, f"messages[{i}].audio: audio is not supported by zllm",
+                           param=f"messages[{i}].audio", code="unsupported_parameter")
         out.append({"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)})
     return out
 

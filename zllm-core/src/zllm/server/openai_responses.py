@@ -33,6 +33,7 @@ class InputText(StrictModel):
     text: str
     annotations: list[Any] | None = None  # accepted and ignored (output_text echoed back)
     logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # accepted and ignored (a caching hint)
 
 
 class InputMessage(StrictModel):
@@ -41,6 +42,7 @@ class InputMessage(StrictModel):
     content: str | list[InputText]
     id: str | None = None  # accepted and ignored (an output item echoed back)
     status: str | None = None
+    phase: Literal["commentary", "final_answer"] | None = None  # accepted and ignored (``model_dump()`` sends null)
 
 
 class TextFormat(StrictModel):

@@ -29,14 +29,16 @@ class RequestError(ZllmError):
 
 
 class ContextLengthError(RequestError):
-    """The prompt does not fit in the model's context window."""
+    """The prompt does not fit in the model's context window (with ``generating``, it must
+    also leave room for one generated token)."""
 
-    def __init__(self, prompt_tokens: int, context_length: int):
+    def __init__(self, prompt_tokens: int, context_length: int, generating: bool = False):
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+        room = " and must leave room for at least one generated token" if generating else ""
         super().__init__(
             "prompt",
-            f"prompt is {prompt_tokens} tokens but the context window is {context_length} tokens",
+            f"prompt is {prompt_tokens} tokens but the context window is {context_length} tokens{room}",
         )
 
 
