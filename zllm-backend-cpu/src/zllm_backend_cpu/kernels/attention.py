@@ -19,6 +19,18 @@ import torch.nn.functional as F
 from zllm.plugin_api import AttentionMetadata
 
 
+def _write_kv(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> tuple[int, int, int, int]:
+    """Check shapes, write the new ``k``/``v`` at ``meta.slot_mapping``; return ``(H, D, BS, Hkv)``."""
+    t, h, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (q.shape, k.shape, k_cache.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    return h, d, bs, hkv
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -31,15 +43,7 @@ def attention(
 
     Writes ``k``, ``v`` into the caches at ``meta.slot_mapping`` first (in place).
     """
-    t, h, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
-    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (q.shape, k.shape, k_cache.shape)
-    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
-
-    slots = meta.slot_mapping
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    h, d, bs, hkv = _write_kv(q, k, v, k_cache, v_cache, meta)
 
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
@@ -87,16 +91,8 @@ def attention_sliding(
     ``sliding_window_overlay``). Gathers only the blocks from the one holding key
     ``L - Q - window + 1`` on: earlier blocks may already be freed (-1 in the block table).
     """
-    t, h, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
     assert window > 0, window
-    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (q.shape, k.shape, k_cache.shape)
-    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
-
-    slots = meta.slot_mapping
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    h, d, bs, hkv = _write_kv(q, k, v, k_cache, v_cache, meta)
 
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
