@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from zllm.plugin_api import AttentionMetadata
 
 
-def _write_kv(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> tuple[int, int, int, int]:
+def write_kv(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> tuple[int, int, int, int]:
     """Check shapes, write the new ``k``/``v`` at ``meta.slot_mapping``; return ``(H, D, BS, Hkv)``."""
     t, h, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
@@ -43,7 +43,7 @@ def attention(
 
     Writes ``k``, ``v`` into the caches at ``meta.slot_mapping`` first (in place).
     """
-    h, d, bs, hkv = _write_kv(q, k, v, k_cache, v_cache, meta)
+    h, d, bs, hkv = write_kv(q, k, v, k_cache, v_cache, meta)
 
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
@@ -92,7 +92,7 @@ def attention_sliding(
     ``L - Q - window + 1`` on: earlier blocks may already be freed (-1 in the block table).
     """
     assert window > 0, window
-    h, d, bs, hkv = _write_kv(q, k, v, k_cache, v_cache, meta)
+    h, d, bs, hkv = write_kv(q, k, v, k_cache, v_cache, meta)
 
     out = torch.empty_like(q)  # [T, H, D]
     start = 0

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.plugin_api import AttentionMetadata, QuantizedTensor
+from zllm_backend_cpu.kernels.attention import write_kv
 from zllm_backend_cpu.kernels.linear import linear_dense, linear_quant
 
 ROW_TILE = 16  # rows per linear call; 16 keeps a decode round of up to 16 sequences one GEMM
@@ -84,19 +85,8 @@ def silu_mul_invariant(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.mul_(up)  # an exact-rounded multiply: invariant as it stands
 
 
-def _write_cache(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-    nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-
-
 def _attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
-    t, h, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
-    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (q.shape, k.shape, k_cache.shape)
-    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
-    _write_cache(k, v, k_cache, v_cache, meta)
+    h, d, bs, hkv = write_kv(q, k, v, k_cache, v_cache, meta)
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
     for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
