@@ -92,7 +92,7 @@ def server_config(model_dir: Path, name: str, args, batch_invariant: bool) -> di
             "context_length": per_seq * block,
             "prefix_cache_seqs": 0,
         },
-        "server": {"model_name": name},
+        "server": {"served_model_name": name},
     }
     if batch_invariant or config_supports_batch_invariant() is None:  # "off" runs without the key too
         config["runtime"]["batch_invariant"] = batch_invariant

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -12,15 +13,22 @@ class CpuBackend:
 
     Args:
         threads: intra-op threads for torch; None = the number of cores available to this
-            process (``os.sched_getaffinity`` where the OS has it).
+            process (``os.sched_getaffinity`` where the OS has it). More than that is
+            lowered to it, with a warning.
     """
 
     name = "cpu"
     device = torch.device("cpu")
 
     def __init__(self, threads: int | None = None):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if threads is None:
-            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            threads = cores
+        elif threads > cores:
+            # More threads than cores only adds contention, and thousands of them make the
+            # OpenMP runtime fail to start threads or crash the process.
+            warnings.warn(f"backend.threads {threads} exceeds the {cores} cores available; using {cores}", stacklevel=2)
+            threads = cores
         self.threads = threads
         torch.set_num_threads(threads)
 

@@ -146,14 +146,19 @@ def load_verified(path: Path) -> list[VerifiedEntry]:
     """
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("", f"{path}: cannot read verified file: {exc}") from None
     unknown = sorted(set(data) - {"cell"})
     if unknown:
         raise ConfigError(unknown[0], f"{path}: unknown top-level key; expected [[cell]] tables")
     entries = []
-    for i, raw in enumerate(data.get("cell", [])):
+    cells = data.get("cell", [])
+    if not isinstance(cells, list):
+        raise ConfigError("cell", f"{path}: expected [[cell]] tables, got {type(cells).__name__}")
+    for i, raw in enumerate(cells):
         where = f"cell[{i}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(where, f"{path}: expected a [[cell]] table, got {type(raw).__name__}")
         extra = sorted(set(raw) - {"family", "backend", "format", "status", "tests"})
         if extra:
             raise ConfigError(f"{where}.{extra[0]}", f"{path}: unknown key; expected family, backend, format, status, tests")

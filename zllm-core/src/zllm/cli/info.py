@@ -49,15 +49,21 @@ def cmd_config_migrate(args: argparse.Namespace) -> int:
     from zllm.spec.migrations import migrate_file_text
 
     path = Path(args.file)
+    if args.in_place and args.output:
+        raise ConfigError("", "give --in-place or --output, not both")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("", f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"{path}: cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     migrated = migrate_file_text(text, str(path))
-    if args.in_place:
-        path.write_text(migrated, encoding="utf-8")
-    elif args.output:
-        Path(args.output).write_text(migrated, encoding="utf-8")
+    if args.in_place or args.output:
+        out = path if args.in_place else Path(args.output)
+        try:
+            out.write_text(migrated, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("", f"{out}: cannot write: {exc.strerror}") from None
     else:
         sys.stdout.write(migrated)
     return 0

@@ -18,6 +18,13 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one ``error:`` line and exit 2 like every user error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {message} (see '{self.prog} --help')\n")
+
+
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate text from the configured model, streaming to stdout")
     p.add_argument("--config", required=True, help="YAML config file")
@@ -54,7 +61,7 @@ def _add_plugins(sub) -> None:
 
 def _add_config(sub) -> None:
     p = sub.add_parser("config", help="validate or migrate a config file")
-    csub = p.add_subparsers(dest="config_cmd", required=True)
+    csub = p.add_subparsers(dest="config_cmd", required=True, metavar="{validate,migrate}")
     v = csub.add_parser("validate", help="check a config file; errors name the key path")
     v.add_argument("file")
     v.set_defaults(func=_cmd("zllm.cli.info:cmd_config_validate"))
@@ -95,7 +102,7 @@ def _cmd(ref: str) -> Callable[[argparse.Namespace], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zllm", description="LLM inference through plugins")
+    parser = _Parser(prog="zllm", description="LLM inference through plugins")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_run, _add_serve, _add_plugins, _add_config, _add_card, _add_compat):

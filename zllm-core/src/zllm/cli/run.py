@@ -24,10 +24,10 @@ def _overrides(cfg, args: argparse.Namespace):
 
         data = config_to_dict(cfg)
         data["generation"].update(gen)
-        if args.backend:
+        if args.backend is not None:
             data["backend"]["name"] = args.backend
         return config_from_dict(data)
-    if args.backend:
+    if args.backend is not None:
         cfg = attrs.evolve(cfg, backend=attrs.evolve(cfg.backend, name=args.backend))
     return cfg
 
@@ -123,7 +123,10 @@ def _chat(engine, system: str | None) -> int:
         if interactive:
             sys.stderr.write(CHAT_PROMPT_MARKER)
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as exc:  # a strict stdin encoding (PYTHONIOENCODING=utf-8)
+            raise RequestError("stdin", f"input is not {exc.encoding} text: {exc.reason}") from None
         if not line:
             if interactive:
                 sys.stderr.write("\n")

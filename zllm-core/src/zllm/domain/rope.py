@@ -95,7 +95,11 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
         ValueError: unsupported type or feature (names it and the supported types), or a
             key the type needs is missing.
     """
-    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(raw, dict):
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        raise ValueError(f"{key} {raw!r} is not an object")
+    params = dict(raw)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
         nested = [k for k in params if isinstance(params[k], dict)]
@@ -105,16 +109,21 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported (supported: 1.0, the whole head rotates)")
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = _number("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope_theta {theta} is not a finite number > 0")
     original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos)
 
     def need(key: str) -> float:
         if params.get(key) is None:
             raise ValueError(f"RoPE type {rope_type!r} needs {key!r} in rope_parameters/rope_scaling")
-        return float(params[key])
+        value = _number(key, params[key])
+        if key == "factor" and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"RoPE type {rope_type!r}: factor {params[key]!r} is not a finite number > 0")
+        return value
 
     def opt(key: str) -> float | None:
-        return None if params.get(key) is None else float(params[key])
+        return None if params.get(key) is None else _number(key, params[key])
 
     factors = cfg.get("rope_freq_factors")
     common = dict(rope_type=rope_type, theta=theta, max_position_embeddings=max_pos,
@@ -135,6 +144,13 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
         beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _number(key: str, value: Any) -> float:
+    """``value`` as a float; ValueError naming ``key`` when it is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"RoPE {key} {value!r} is not a number")
+    return float(value)
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

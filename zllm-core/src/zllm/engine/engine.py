@@ -11,15 +11,15 @@ import os
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from zllm.engine.loader import LoadedModel, auto_num_blocks, load_model
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.sequence import Sequence
-from zllm.spec.config import ZllmConfig, load_config
-from zllm.spec.errors import RequestError
+from zllm.spec.config import ZllmConfig, config_from_dict, load_config
+from zllm.spec.errors import ConfigError, RequestError
 from zllm.spec.request import GenerationRequest, make_delta_event, make_final_event, make_response, parse_request
 from zllm.tokenizer.chat import render_chat
 
@@ -38,8 +38,18 @@ class Engine:
         cfg = loaded.config
         shape = loaded.model.kv_shape
         num_blocks = cfg.runtime.kv_cache.num_blocks or auto_num_blocks(cfg, loaded)
-        kv = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks,
-                          cfg.runtime.kv_cache.block_size, device=loaded.backend.device)
+        block_size = cfg.runtime.kv_cache.block_size
+        try:
+            kv = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks,
+                              block_size, device=loaded.backend.device)
+        except (RuntimeError, MemoryError) as exc:  # torch reports a failed allocation as RuntimeError
+            key = "num_blocks" if cfg.runtime.kv_cache.num_blocks else "block_size"
+            nbytes = 2 * shape.num_layers * num_blocks * block_size * shape.num_kv_heads * shape.head_dim * 4
+            raise ConfigError(
+                f"runtime.kv_cache.{key}",
+                f"{num_blocks} KV blocks of {block_size} tokens need {nbytes / 2**30:.1f} GiB, which cannot "
+                f"be allocated on {loaded.backend.device}",
+            ) from exc
         self.llm = LLMEngine(
             loaded.model, loaded.ops, loaded.tokenizer, kv, loaded.eos_token_ids,
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
@@ -50,20 +60,28 @@ class Engine:
         self._queues: dict[int, deque[StepOutput]] = {}
 
     @classmethod
-    def from_config(cls, config: ZllmConfig | str | os.PathLike[str], *, host: PluginHost | None = None,
+    def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *, host: PluginHost | None = None,
                     on_tensor: Callable[[str, int], None] | None = None,
                     on_start: Callable[[int], None] | None = None) -> "Engine":
         """Load the model a config names.
 
         Args:
-            config: a :class:`ZllmConfig` or the path of a YAML config file.
+            config: a :class:`ZllmConfig`, a config mapping (as a parsed YAML file; a relative
+                ``model.path`` is taken from the current directory) or the path of a YAML file.
             host: a plugin host; default discovers installed plugins, honouring ``ZLLM_PLUGINS``.
             on_start, on_tensor: load-progress callbacks (total bytes; each tensor).
 
         Raises:
             ZllmError subclasses for every user error (config, checkpoint, capability, plugin).
         """
-        cfg = config if isinstance(config, ZllmConfig) else load_config(Path(config))
+        if isinstance(config, ZllmConfig):
+            cfg = config
+        elif isinstance(config, Mapping):  # a parsed config; relative paths against the cwd
+            cfg = config_from_dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            cfg = load_config(Path(config))
+        else:
+            raise ConfigError("", f"expected a ZllmConfig, a config mapping or a YAML file path, got {type(config).__name__}")
         host = host or PluginHost(allowlist=plugin_allowlist_from_env())
         return cls(load_model(cfg, host, on_tensor=on_tensor, on_start=on_start), host)
 

@@ -19,7 +19,7 @@ from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
 from zllm.spec.config import ZllmConfig
-from zllm.spec.errors import ConfigError, TensorError, UnknownArchitectureError
+from zllm.spec.errors import CheckpointError, ConfigError, TensorError, UnknownArchitectureError
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
 
@@ -59,15 +59,25 @@ def resolve_family(host: PluginHost, ckpt: Checkpoint) -> FamilyInfo:
     model_type = ckpt.config.get("model_type")
     info = host.family_for(model_type) if isinstance(model_type, str) else None
     if info is None:
-        known = ", ".join(host.known_model_types()) or "none (no model family plugin installed)"
-        raise UnknownArchitectureError(str(ckpt.path), f"unknown architecture {ckpt.architecture!r}; known architectures: {known}")
+        known = ", ".join(host.known_model_types()) or "none (no model family plugin loaded)"
+        extra = host.not_loaded_reasons()
+        raise UnknownArchitectureError(
+            str(ckpt.path), f"unknown architecture {ckpt.architecture!r}; known architectures: {known}"
+            + (f"; plugins not loaded: {'; '.join(extra)}" if extra else "")
+        )
     return info
 
 
 def _eos_ids(ckpt: Checkpoint, tokenizer) -> frozenset[int]:
+    """Raises CheckpointError: ``eos_token_id`` is not an id or a list of ids."""
+    in_generation_config = "eos_token_id" in ckpt.generation_config
     eos = ckpt.generation_config.get("eos_token_id", ckpt.config.get("eos_token_id"))
-    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(int(i) for i in ids | set(tokenizer.eos_token_ids))
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        file = "generation_config.json" if in_generation_config else "config.json"
+        where = ckpt.path / file if ckpt.format == "hf" else ckpt.path
+        raise CheckpointError(str(where), f"eos_token_id {eos!r} is not a token id (int >= 0) or a list of them")
+    return frozenset(int(i) for i in set(ids) | set(tokenizer.eos_token_ids))
 
 
 def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int], None] | None = None,

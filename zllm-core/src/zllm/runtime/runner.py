@@ -15,6 +15,16 @@ from zllm.runtime.sequence import Sequence
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
+# Sampling kernels compute in f32. Request values that are valid but extreme would turn the
+# logits into inf / NaN there (temperature 1e-300 and top_p 1e-300 round to 0; a repetition
+# penalty of 1e-300 or 1e300 overflows), and every NaN row samples token 0. They are mapped
+# to values that select the same tokens: a temperature below GREEDY_BELOW is greedy (as in
+# vLLM), top_p is at least TOP_P_MIN (still only the most likely token), and the repetition
+# penalty is kept within REPETITION_PENALTY_RANGE (still saturating).
+GREEDY_BELOW = 1e-5
+TOP_P_MIN = 1e-30
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
 
 class ModelRunner:
     """Owns the model, its bound kernels and the KV cache of one engine."""
@@ -81,8 +91,10 @@ class ModelRunner:
         r = seq.request
         penalised = r.repetition_penalty != 1.0 or r.presence_penalty != 0.0 or r.frequency_penalty != 0.0
         return SamplingRow(
-            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
-            repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
+            temperature=0.0 if r.temperature < GREEDY_BELOW else r.temperature, top_k=r.top_k,
+            top_p=max(r.top_p, TOP_P_MIN), min_p=r.min_p,
+            repetition_penalty=min(max(r.repetition_penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1]),
+            presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty,
             prompt_token_ids=seq.prompt_tensor.to(self.device) if penalised else _EMPTY,
             output_token_ids=torch.tensor(seq.output_ids, dtype=torch.int64, device=self.device) if penalised else _EMPTY,

@@ -74,12 +74,30 @@ class Check:
         """``"expected <expect>, got <value>"``, the value's repr cut to about 60 characters."""
         # Converters have already turned lists into tuples; show what the user wrote.
         shown = list(value) if isinstance(value, tuple) else value
+        texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)] if isinstance(value, (list, tuple)) else []
+        if any(not _is_unicode(t) for t in texts):
+            # A str, but not text: Python decodes undecodable bytes (argv, files) to lone surrogates.
+            return (f"expected {self.expect}, got {_short_repr(shown)}, which is not valid Unicode text: it holds "
+                    "a lone surrogate (bytes that are not UTF-8?)")
         return f"expected {self.expect}, got {_short_repr(shown)}"
 
 
 def _is_int(v: Any) -> bool:
     # bool is a subclass of int in Python; `block_size: true` is a mistake, not a 1.
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_unicode(v: str) -> bool:
+    """False for a str holding a lone surrogate: it cannot be encoded, tokenized or sent as JSON."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_text(v: Any) -> bool:
+    return isinstance(v, str) and _is_unicode(v)
 
 
 def _is_number(v: Any) -> bool:
@@ -116,7 +134,7 @@ MAX_STOP_STRINGS = 16
 POSITIVE_INT = Check("a positive int", lambda v: _is_int(v) and v >= 1)
 NON_NEGATIVE_INT = Check("an int >= 0", lambda v: _is_int(v) and v >= 0)
 NON_EMPTY_STR = Check("a non-empty string", lambda v: isinstance(v, str) and v != "")
-STR = Check("a string", lambda v: isinstance(v, str))
+STR = Check("a string", _is_text)
 OPTIONAL_BOOL = Check("true, false or null", lambda v: v is None or isinstance(v, bool))
 POSITIVE_NUMBER = Check("a number > 0", lambda v: _is_number(v) and v > 0)
 PORT = Check("an int in 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
@@ -131,7 +149,7 @@ OPENAI_PENALTY = Check("a number in [-2, 2]", lambda v: _is_number(v) and -2 <= 
 SEED = Check("an int in [0, 2**64) or null", lambda v: v is None or (_is_int(v) and 0 <= v < 2**64))
 STOP = Check(
     f"a list of at most {MAX_STOP_STRINGS} non-empty strings",
-    lambda v: _is_list_of(v, NON_EMPTY_STR.ok, MAX_STOP_STRINGS),
+    lambda v: _is_list_of(v, lambda x: NON_EMPTY_STR.ok(x) and _is_unicode(x), MAX_STOP_STRINGS),
 )
 TOKEN_IDS = Check("a list of token ids (ints >= 0)", lambda v: _is_list_of(v, NON_NEGATIVE_INT.ok))
 OP_NAMES = Check("a list of non-empty op names", lambda v: _is_list_of(v, NON_EMPTY_STR.ok))

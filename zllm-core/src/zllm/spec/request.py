@@ -131,8 +131,8 @@ def _to_messages(v: Any) -> Any:
                 raise RequestError(f"messages[{i}].{key}", "is required")
         if m["role"] not in CHAT_ROLES:
             raise RequestError(f"messages[{i}].role", f"expected one of {', '.join(CHAT_ROLES)}, got {_short(m['role'])}")
-        if not isinstance(m["content"], str):
-            raise RequestError(f"messages[{i}].content", f"expected a string, got {_short(m['content'])}")
+        if not STR.ok(m["content"]):
+            raise RequestError(f"messages[{i}].content", STR.describe_failure(m["content"]))
         out.append(ChatMessage(m["role"], m["content"]))
     return tuple(out)
 

@@ -159,7 +159,8 @@ class Tokenizer:
 
         add_bos = _template_flag(config, "add_bos_token", prefix, bos, "before", path)
         add_eos = _template_flag(config, "add_eos_token", suffix, eos, "after", path)
-        templates = dict(chat_template_files or {}) or _config_chat_templates(config.get("chat_template"), path)
+        templates = dict(chat_template_files or {}) or _config_chat_templates(
+            config.get("chat_template"), str(Path(path).with_name("tokenizer_config.json")))
         return cls(hf, source=path, bos_token_id=bos, eos_token_ids=tuple(eos_ids), add_bos=add_bos, add_eos=add_eos,
                    chat_templates=templates)
 

@@ -135,7 +135,8 @@ def open_checkpoint(path: str | Path, fmt: str = "auto") -> Checkpoint:
 
         return HFCheckpoint(path)
     if not path.is_file():
-        raise CheckpointError(str(path), "a gguf checkpoint is a single .gguf file, not a directory")
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(str(path), f"a gguf checkpoint is a single .gguf file, and this is {kind}")
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:

@@ -179,6 +179,9 @@ class GGUFCheckpoint(Checkpoint):
                 if key.default is REQUIRED:
                     raise CheckpointError(str(self.path), f"missing required metadata key {full!r} (for config {key.hf_key!r})")
                 value = call_default(key.default, config)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                # The defaults divide by these and count layers with them.
+                raise CheckpointError(str(self.path), f"metadata {full!r} is {value!r}; expected a number > 0")
             config[key.hf_key] = value
         try:
             scaling = rope_scaling_config(self._value, arch)

@@ -23,6 +23,7 @@ Mistral ignores ``layer_types`` (transformers only warns about it). ``head_dim``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -133,36 +134,48 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
     def need(key: str) -> Any:
         if key not in cfg:
             raise CheckpointError(source, f"{rules.model_type} config lacks required key {key!r}")
-        return cfg[key]
+        return positive_int(key, cfg[key])
+
+    def positive_int(key: str, value: Any) -> int:
+        # An integral float (64.0) is accepted; a bool, a string, zero or a negative is not.
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not value.is_integer()) or value < 1):
+            raise CheckpointError(source, f"{key} {value!r} is not a positive integer")
+        return int(value)
 
     model_type = cfg.get("model_type", rules.model_type)
     if model_type != rules.model_type:
         raise CheckpointError(source, f"model_type {model_type!r} is not {rules.model_type!r}, the type this family parses")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(source, f"hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)")
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    kv_heads = heads if cfg.get("num_key_value_heads") is None else positive_int("num_key_value_heads", cfg["num_key_value_heads"])
     if heads % kv_heads:
         raise CheckpointError(source, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = int(cfg.get("head_dim") or rules.default_head_dim or hidden // heads)
-    num_layers = int(need("num_hidden_layers"))
-    context_length = int(cfg.get("max_position_embeddings", 2048))
+    head_dim = positive_int("head_dim", cfg.get("head_dim") or rules.default_head_dim or hidden // heads)
+    if head_dim % 2:
+        raise CheckpointError(source, f"head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
+    num_layers = need("num_hidden_layers")
+    context_length = positive_int("max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise CheckpointError(source, f"rms_norm_eps {eps!r} is not a finite number >= 0")
     try:
         rope = rope_params_from_config(cfg)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise CheckpointError(source, str(e)) from None
     if rope.freq_factors is not None and len(rope.freq_factors) != head_dim // 2:
         raise CheckpointError(source, f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim} (need {head_dim // 2})")
     return LlamaSpec(
         model_type=rules.model_type,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=need("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=need("intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(eps),
         rope=rope,
         context_length=context_length,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
