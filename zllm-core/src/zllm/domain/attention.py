@@ -105,25 +105,7 @@ def attention(
     ``q`` f32 ``[T, H, D]``, ``k``/``v`` f32 ``[T, Hkv, D]``, caches ``[NB, BS, Hkv, D]``
     (any float dtype; written in place at ``meta.slot_mapping`` first) -> f32 ``[T, H, D]``.
     """
-    t, h, d = q.shape
-    assert q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
-    assert k.shape == v.shape and k.shape[0] == t and k.shape[2] == d and h % k.shape[1] == 0, (q.shape, k.shape)
-    assert k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == tuple(k.shape[1:]), (k_cache.shape, k.shape)
-    n_seq = len(meta.query_lens)
-    assert len(meta.context_lens) == n_seq and meta.block_tables.shape[0] == n_seq, meta
-    assert sum(meta.query_lens) == t, (meta.query_lens, t)
-    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens)), meta
-
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)  # [T, H, D]
-    start = 0
-    for s in range(n_seq):
-        n_q, n_ctx = meta.query_lens[s], meta.context_lens[s]
-        ctx_k = gather_context(k_cache, meta.block_tables[s], n_ctx)  # [L, Hkv, D]
-        ctx_v = gather_context(v_cache, meta.block_tables[s], n_ctx)  # [L, Hkv, D]
-        out[start : start + n_q] = causal_softmax_attention(q[start : start + n_q], ctx_k, ctx_v, meta.scale)
-        start += n_q
-    return out
+    return _paged_attention(q, k, v, k_cache, v_cache, meta, None)
 
 
 def sliding_window_attention(
@@ -139,8 +121,12 @@ def sliding_window_attention(
     (itself included); otherwise as :func:`attention`. Reads no block before
     :func:`first_window_block`, so those may be freed (-1) in ``meta.block_tables``.
     """
-    t, h, d = q.shape
     assert window > 0, window
+    return _paged_attention(q, k, v, k_cache, v_cache, meta, window)
+
+
+def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    t, h, d = q.shape
     assert q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
     assert k.shape == v.shape and k.shape[0] == t and k.shape[2] == d and h % k.shape[1] == 0, (q.shape, k.shape)
     assert k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == tuple(k.shape[1:]), (k_cache.shape, k.shape)
@@ -155,7 +141,7 @@ def sliding_window_attention(
     start = 0
     for s in range(n_seq):
         n_q, n_ctx = meta.query_lens[s], meta.context_lens[s]
-        first = first_window_block(n_q, n_ctx, window, bs)
+        first = 0 if window is None else first_window_block(n_q, n_ctx, window, bs)
         ctx_k = gather_context(k_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
         ctx_v = gather_context(v_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
         out[start : start + n_q] = causal_softmax_attention(q[start : start + n_q], ctx_k, ctx_v, meta.scale, window, first * bs)
