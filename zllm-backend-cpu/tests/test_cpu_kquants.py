@@ -7,7 +7,6 @@ summation order, so atol = rtol = 1e-5 on O(1) outputs.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from hypothesis import given, settings
@@ -20,6 +19,7 @@ from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm_backend_cpu.kernels import CAPABILITIES
 from zllm_backend_cpu.kernels import linear as kernels
 from zllm_backend_cpu.kernels.kquants import KQUANT_DECODERS
+from tile_budget import tile_budget
 
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 QK_K = 256
@@ -37,18 +37,6 @@ def make_kquant(fmt: str, n: int, k: int, g: torch.Generator) -> QuantizedTensor
         scale = torch.rand(n, k // QK_K, 1, generator=g) * 2 / (MAX_SCALED_Q[fmt] * k**0.5)
         raw[..., offset : offset + 2] = scale.half().view(torch.uint8)
     return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
-
-
-@contextlib.contextmanager
-def tile_budget(nbytes: int | None):
-    """Shrink the kernels' tile budget so that small weights span several (ragged) tiles."""
-    saved = kernels.TILE_BYTES
-    if nbytes is not None:
-        kernels.TILE_BYTES = nbytes
-    try:
-        yield
-    finally:
-        kernels.TILE_BYTES = saved
 
 
 def test_backend_declares_linear_and_embedding_for_every_kquant():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from hypothesis import given, settings
@@ -13,6 +12,7 @@ from zllm.domain.linear import linear as ref_linear
 from zllm.domain.quant import dequantize
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm_backend_cpu.kernels import linear as kernels
+from tile_budget import tile_budget
 
 DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -26,18 +26,6 @@ def make_weight(fmt: str, n: int, k: int, g: torch.Generator, scale_bits: list[i
     q_range = 127 if fmt == "q8_0" else 8
     raw[..., :2] = (torch.rand(n, k // 32, 1, generator=g) / (q_range * k**0.5)).half().view(torch.uint8)
     return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
-
-
-@contextlib.contextmanager
-def tile_budget(nbytes: int | None):
-    """Shrink the kernels' tile budget so that small weights span several (ragged) tiles."""
-    saved = kernels.TILE_BYTES
-    if nbytes is not None:
-        kernels.TILE_BYTES = nbytes
-    try:
-        yield
-    finally:
-        kernels.TILE_BYTES = saved
 
 
 @settings(max_examples=50, deadline=None)
