@@ -25,7 +25,7 @@ from tests.gguf_files import requantize
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import QuantizedTensor
 
-ALL_OPS = ["embedding", "linear", "rms_norm", "rope", "attention", "silu_mul", "sample"]
+ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "sample"]
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 F32_FILE = MODEL_DIR / "gguf" / "stories260K-f32.gguf"
 GREEDY = {"prompt": "", "max_tokens": 64, "stop_token_ids": []}

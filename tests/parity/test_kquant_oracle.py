@@ -35,7 +35,7 @@ from zllm.spec.errors import TensorError
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 
-ALL_OPS = ["embedding", "linear", "rms_norm", "rope", "attention", "silu_mul", "sample"]
+ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "sample"]
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 F32_FILE = MODEL_DIR / "gguf" / "stories260K-f32.gguf"
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 512, 512

@@ -33,6 +33,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add, then RMSNorm: ``(rms_norm(x + residual), x + residual)``, f32 ``[T, K]`` each."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX half rotation: ``x`` f32 ``[T, H, D]``, ``cos``/``sin`` f32 ``[T, D/2]`` -> ``[T, H, D]``."""
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each

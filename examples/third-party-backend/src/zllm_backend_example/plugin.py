@@ -23,6 +23,7 @@ KERNELS: tuple[tuple[str, str, str], ...] = (
     ("embedding", "f32", "zllm_backend_example.kernels:embedding"),
     ("linear", "f32", "zllm_backend_example.kernels:linear"),
     ("rms_norm", "f32", "zllm_backend_example.kernels:rms_norm"),
+    ("add_rms_norm", "f32", "zllm_backend_example.kernels:add_rms_norm"),
     ("rope", "neox", "zllm_backend_example.kernels:rope"),
     ("attention", "paged", "zllm_backend_example.kernels:attention"),
     ("silu_mul", "f32", "zllm_backend_example.kernels:silu_mul"),

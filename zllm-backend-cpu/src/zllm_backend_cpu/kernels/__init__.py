@@ -19,7 +19,9 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", ("f32", "f16", "bf16"), f"{_PKG}.linear:linear_dense"),
     ("linear", QUANT_FORMATS, f"{_PKG}.linear:linear_quant"),
     ("rms_norm", ("f32",), f"{_PKG}.norm:rms_norm"),
+    ("add_rms_norm", ("f32",), f"{_PKG}.norm:add_rms_norm"),
     ("rope", ("neox",), f"{_PKG}.rope:rope"),
+    ("rope", ("gptj",), f"{_PKG}.rope:rope_gptj"),
     ("attention", ("paged",), f"{_PKG}.attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
@@ -28,7 +30,7 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
 
 #: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
 #: :mod:`zllm_backend_cpu.kernels.invariant` for why); registered with ``batch_invariant=True``.
-INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "rope", "sample"})
+INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "add_rms_norm", "rope", "sample"})
 
 #: Batch-invariant kernels for the other ops, registered at priority -1 with
 #: ``batch_invariant=True``: chosen only when ``runtime.batch_invariant`` is on.

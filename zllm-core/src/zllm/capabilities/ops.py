@@ -12,8 +12,11 @@ op             signature
 embedding      ``(weight [V, K], ids int64 [T]) -> f32 [T, K]``
 linear         ``(x f32 [T, K], weight [N, K], bias f32|None [N]) -> f32 [T, N]``
 rms_norm       ``(x f32 [T, K], weight [K], eps float) -> f32 [T, K]``
-rope           ``(x f32 [T, H, D], cos f32 [T, D/2], sin f32 [T, D/2]) -> f32 [T, H, D]``
-               half-rotation (GPT-NeoX / HF) layout: pairs are ``(i, i + D/2)``
+add_rms_norm   ``(x f32 [T, K], residual f32 [T, K], weight [K], eps float) -> (f32 [T, K],
+               f32 [T, K])`` = ``(rms_norm(x + residual), x + residual)``
+rope           ``(x f32 [T, H, D], cos f32 [T, D/2], sin f32 [T, D/2]) -> f32 [T, H, D]``;
+               variant ``neox``: half-rotation (GPT-NeoX / HF) layout, pairs ``(i, i + D/2)``;
+               variant ``gptj``: interleaved layout, pairs ``(2i, 2i + 1)``
 attention      ``(q f32 [T, H, D], k f32 [T, Hkv, D], v f32 [T, Hkv, D], k_cache
                [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D], meta AttentionMetadata)
                -> f32 [T, H, D]``; writes k, v at ``meta.slot_mapping`` first

@@ -19,3 +19,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert eps >= 0, eps
     variance = x.pow(2).mean(dim=-1, keepdim=True)  # [T, 1]
     return x * torch.rsqrt(variance + eps) * weight.float()  # [T, K]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm (the pre-norm block boundary of Llama-style models).
+
+    ``h = x + residual``; returns ``(rms_norm(h, weight, eps), h)``: both f32 ``[T, K]``;
+    ``x``, ``residual`` f32 ``[T, K]``, ``weight`` ``[K]``. Same f32 operations as
+    :func:`rms_norm` after the add, so the fused kernels of a backend (vLLM's
+    ``fused_add_rms_norm``) are checked against exactly the unfused math.
+    """
+    assert x.shape == residual.shape and residual.dtype == torch.float32, (x.shape, residual.shape, residual.dtype)
+    h = x + residual  # [T, K]
+    return rms_norm(h, weight, eps), h

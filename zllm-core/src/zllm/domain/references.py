@@ -1,8 +1,8 @@
 """Registers every f32 reference under the pseudo-backend ``reference``.
 
-One implementation per capability op; it is registered for every variant of that op in
+One implementation per capability op, registered for every variant of that op in
 :data:`~zllm.capabilities.CORE_CAPABILITIES` (weight formats for ``linear``/``embedding``,
-math variants otherwise). Implementations are lazy ``"module:function"`` strings.
+math variants otherwise), unless :data:`REFERENCE_VARIANT_IMPLS` names one for the variant. Implementations are lazy ``"module:function"`` strings.
 """
 
 from __future__ import annotations
@@ -15,11 +15,18 @@ REFERENCE_IMPLS: dict[str, str] = {
     "embedding": "zllm.domain.linear:embedding",
     "linear": "zllm.domain.linear:linear",
     "rms_norm": "zllm.domain.norm:rms_norm",
+    "add_rms_norm": "zllm.domain.norm:add_rms_norm",
     "rope": "zllm.domain.rope:apply_rope",
     "attention": "zllm.domain.attention:attention",
     "attention_sliding": "zllm.domain.attention:sliding_window_attention",
     "silu_mul": "zllm.domain.activation:silu_mul",
     "sample": "zllm.domain.sampling:sample",
+}
+
+
+#: ``op[variant]`` -> reference, where a variant's math differs from the op's other variants.
+REFERENCE_VARIANT_IMPLS: dict[str, str] = {
+    "rope[gptj]": "zllm.domain.rope:apply_rope_gptj",
 }
 
 
@@ -43,4 +50,6 @@ def register_references(registry: KernelRegistry) -> None:
     if missing:
         raise ValueError(f"core capability ops without an f32 reference: {missing}")
     for op, formats in variants.items():
-        registry.register(op, REFERENCE_BACKEND, formats, REFERENCE_IMPLS[op], registered_by="zllm-core")
+        for fmt in formats:
+            impl = REFERENCE_VARIANT_IMPLS.get(f"{op}[{fmt}]", REFERENCE_IMPLS[op])
+            registry.register(op, REFERENCE_BACKEND, (fmt,), impl, registered_by="zllm-core")

@@ -281,3 +281,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]  # [T, H, D2] each
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # [T, H, D]
+
+
+def apply_rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the interleaved (GPT-J / Meta original / ggml ``NORM``) row layout: the pairs are
+    ``(x[2i], x[2i + 1])`` rotated by ``cos[:, i]``/``sin[:, i]``.
+
+    ``x`` f32 ``[T, H, D]``, ``cos``/``sin`` f32 ``[T, D2]`` -> f32 ``[T, H, D]``. Equal to
+    :func:`apply_rope` on rows permuted as llama.cpp's ``convert_hf_to_gguf.py`` permutes Q/K
+    (Mesh-TF / HF ``rotate_half`` vs Meta's complex multiply, Su et al. 2021).
+    """
+    assert x.dim() == 3 and x.dtype == torch.float32, (x.shape, x.dtype)
+    t, h, d = x.shape
+    assert d % 2 == 0, d
+    assert tuple(cos.shape) == (t, d // 2) and cos.shape == sin.shape, (cos.shape, sin.shape, x.shape)
+    pairs = x.reshape(t, h, d // 2, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]  # [T, H, D2] each
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D2]
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).reshape(t, h, d)  # [T, H, D]

@@ -102,6 +102,6 @@ def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bo
         | {Capability("linear", fmt) for fmt in linear_fmts}
         | ({Capability("attention", "paged")} if full else set())
         | ({Capability("attention_sliding", "paged")} if sliding else set())
-        | {Capability("rms_norm", "f32"), Capability("rope", "neox"),
+        | {Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"), Capability("rope", "neox"),
            Capability("silu_mul", "f32"), Capability("sample", "f32")}
     )

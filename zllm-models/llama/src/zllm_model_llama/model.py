@@ -75,11 +75,19 @@ class LlamaModel:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
         ops, eps = self.ops, self.spec.rms_norm_eps
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), self.rope_attention_factor)  # [T, D/2] each
-        x = ops.embedding(self.embed, token_ids)  # [T, C]
-        for layer, window, kv_cache in zip(self.layers, self.spec.layer_windows, kv_caches):
-            x = x + self.attention(layer, ops.rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv_cache, window)
-            x = x + self.mlp(layer, ops.rms_norm(x, layer.mlp_norm, eps))
-        x = ops.rms_norm(x[logits_indices], self.norm, eps)  # [S', C]
+        residual = ops.embedding(self.embed, token_ids)  # [T, C]
+        # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
+        # then norm(h_i). The last MLP output only needs its logits rows.
+        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # the spec guarantees >= 1 layer
+        for i, (layer, window, kv_cache) in enumerate(zip(self.layers, self.spec.layer_windows, kv_caches)):
+            attn = self.attention(layer, x, cos, sin, meta, kv_cache, window)  # [T, C]
+            x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
+            mlp = self.mlp(layer, x)  # [T, C]
+            if i + 1 < len(self.layers):
+                x, residual = ops.add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, eps)
+            else:
+                residual = mlp[logits_indices] + residual[logits_indices]  # [S', C]
+        x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
         return ops.linear(x, self.lm_head)  # [S', V]
 
     def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
