@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from zllm.domain.rope import apply_rope, default_inv_freq, rope_cos_sin
-from zllm.domain.norm import rms_norm
+from zllm.domain.rope import apply_rope, apply_rope_gptj, default_inv_freq, rope_cos_sin
+from zllm.domain.norm import add_rms_norm, rms_norm
 
 
 @settings(max_examples=25, deadline=None)
@@ -70,3 +70,35 @@ def test_rope_position_zero_is_identity_and_norm_preserving():
     # each (i, i + D/2) pair is rotated, so per-pair norms are kept
     pair_norm = lambda y: y[..., :4] ** 2 + y[..., 4:] ** 2  # noqa: E731
     torch.testing.assert_close(pair_norm(out), pair_norm(x), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 6), heads=st.integers(1, 4), head_dim=st.sampled_from([2, 8, 64]), seed=st.integers(0, 2**16))
+def test_gptj_rope_is_metas_complex_rotation(t, heads, head_dim, seed):
+    # Meta's llama reference (model.py apply_rotary_emb): adjacent pairs as complex numbers
+    # times exp(i * pos * inv_freq).
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    inv_freq = default_inv_freq(head_dim, 10000.0)
+    x = torch.randn(t, heads, head_dim, generator=g)
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    freqs = torch.polar(torch.ones(t, head_dim // 2), positions[:, None].float() * inv_freq[None, :])  # [T, D2]
+    expected = torch.view_as_real(torch.view_as_complex(x.reshape(t, heads, -1, 2)) * freqs[:, None, :]).flatten(2)
+    torch.testing.assert_close(apply_rope_gptj(x, cos, sin), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_gptj_rope_equals_neox_rope_on_llama_cpp_permuted_rows():
+    # convert_hf_to_gguf.py permutes HF Q/K rows from half-rotation to interleaved order:
+    # interleaved index 2i <- i, 2i + 1 <- i + D/2.
+    t, heads, d = 5, 3, 16
+    x = torch.randn(t, heads, d)
+    cos, sin = rope_cos_sin(torch.arange(t) * 37, default_inv_freq(d, 10000.0))
+    to_interleaved = torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=-1).flatten()
+    torch.testing.assert_close(apply_rope_gptj(x[..., to_interleaved], cos, sin), apply_rope(x, cos, sin)[..., to_interleaved])
+
+
+def test_add_rms_norm_returns_the_normed_sum_and_the_sum():
+    x, r, w = torch.randn(4, 24), torch.randn(4, 24), torch.randn(24)
+    y, h = add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(h, x + r, atol=0, rtol=0)
+    torch.testing.assert_close(y, rms_norm(x + r, w, 1e-5), atol=0, rtol=0)
