@@ -7,7 +7,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
+TRITON_PIN := triton==3.7.1
+# What `make run` needs: the core, the CPU backend and the llama family (no Triton).
 DISTS := zllm-core zllm-backend-cpu zllm-models/llama
+# The GPU backends and their kernel libraries: installed for the suite, which runs the Triton
+# kernels in Triton's interpreter and checks every backend's plugin contract without a device.
+GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backend-rocm zllm-backend-metal
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
 
@@ -22,8 +27,9 @@ $(VENV)/.installed: $(BIN)/python $(foreach d,$(DISTS),$(d)/pyproject.toml)
 	$(BIN)/python -m pip install --quiet $(foreach d,$(DISTS),-e $(d))
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
-	$(BIN)/python -m pip install --quiet -r requirements-test.txt
+$(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt $(foreach d,$(GPU_DISTS),$(d)/pyproject.toml)
+	$(BIN)/python -m pip install --quiet $(TRITON_PIN) -r requirements-test.txt
+	$(BIN)/python -m pip install --quiet $(foreach d,$(GPU_DISTS),-e $(d))
 	touch $@
 
 run: $(VENV)/.installed

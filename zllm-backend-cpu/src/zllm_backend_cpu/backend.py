@@ -15,12 +15,18 @@ class CpuBackend:
         threads: intra-op threads for torch; None = the number of cores available to this
             process (``os.sched_getaffinity`` where the OS has it). More than that is
             lowered to it, with a warning.
+        device: None or ``"cpu"``: the host CPU is the only device of this backend.
+
+    Raises:
+        ValueError: ``device`` names another device.
     """
 
     name = "cpu"
     device = torch.device("cpu")
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, device: str | None = None):
+        if device not in (None, "cpu"):
+            raise ValueError(f"the cpu backend runs on the host CPU only: device must be 'cpu' or unset, got {device!r}")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if threads is None:
             threads = cores

@@ -1,5 +1,6 @@
 """The backend instance: where tensors live. Constructed as ``ExampleBackend(threads=...)``
-only after :meth:`unavailable_reason` said it can run."""
+(plus ``device=...`` when the user names one, e.g. ``zllm conformance --device``) only after
+:meth:`unavailable_reason` said it can run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ class ExampleBackend:
     name = "example"
     device = torch.device("cpu")
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, device: str | None = None):
+        # A GPU backend would pick its device here (None = its default, e.g. "cuda:0") and
+        # reject a device it cannot use with a ValueError naming it.
+        if device not in (None, "cpu"):
+            raise ValueError(f"the example backend runs on the CPU only: device must be 'cpu' or unset, got {device!r}")
         # The example leaves torch's thread pool alone; a real backend would size it here.
         self.threads = threads
 

@@ -9,6 +9,7 @@ import traceback
 import warnings
 from typing import Callable, Sequence
 
+from zllm.cli.conformance import add_parser as _add_conformance
 from zllm.spec.errors import ZllmError
 
 EXIT_USER_ERROR = 2
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zllm", description="LLM inference through plugins")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_run, _add_serve, _add_plugins, _add_config, _add_card, _add_compat):
+    for add in (_add_run, _add_serve, _add_plugins, _add_config, _add_card, _add_compat, _add_conformance):
         add(sub)
     return parser
 

@@ -1,0 +1,461 @@
+"""Generated input cases, one generator per capability op, for checking kernels against the f32 references.
+
+Dimension legend as in :mod:`zllm.capabilities.ops`: ``T`` tokens, ``S`` sequences, ``H``
+query heads, ``Hkv`` KV heads, ``D`` head dim, ``K`` in-features, ``N`` out-features, ``V``
+vocabulary, ``NB`` KV blocks, ``BS`` block size, ``MB`` max blocks per sequence.
+
+Every case is made on the CPU from a seeded ``torch.Generator`` (no global RNG), so one seed
+gives the same cases on every machine. The cases cover what real batches contain: odd
+sizes, one-token decode rows, KV contexts crossing block edges (block sizes 1, 5, 16), GQA
+ratios 1, 2, 4, 8 and MQA, New Prefill / Append Prefill / decode / mixed batches, sliding
+windows whose early blocks were freed (-1 in the block table), activations that are views
+into a fused tensor (the q/k/v split of a fused QKV projection, the gate/up halves of a fused
+MLP projection), weights in every format of a variant (dense f32/f16/bf16; q8_0 and q4_0
+from ``gguf.quants.quantize``; k-quants, which gguf-py cannot encode, as random blocks with
+bounded f16 super-block scales) and sampling rows with every setting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import attrs
+import gguf
+import numpy as np
+import torch
+
+from zllm.capabilities.ops import AttentionMetadata
+from zllm.domain.attention import first_window_block
+from zllm.domain.rope import default_inv_freq, rope_cos_sin
+from zllm.weights.formats import BLOCK_LAYOUTS, DENSE_FORMATS, DTYPE_OF_FORMAT, QuantizedTensor
+
+#: Tolerance of every op whose spec states none tighter (DESIGN: "atol = rtol = 1e-2").
+DEFAULT_ATOL = 1e-2
+DEFAULT_RTOL = 1e-2
+
+
+@attrs.frozen(eq=False)
+class SampleRowSpec:
+    """The settings of one :class:`~zllm.capabilities.ops.SamplingRow`, with a seed instead of
+    a generator: the generator is made on the backend's device when the case runs.
+
+    Attributes:
+        seed: seeds ``torch.Generator(device=backend.device)`` for the row's draw.
+        prompt_token_ids, output_token_ids: int64 ``[P]`` / ``[O]`` on the CPU.
+    """
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_token_ids: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.int64))
+    output_token_ids: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.int64))
+    seed: int = 0
+
+
+@attrs.frozen(eq=False)
+class Case:
+    """One input set for one ``op[variant]``.
+
+    Attributes:
+        op, variant: the capability the case exercises.
+        label: what the case covers, e.g. ``T=7 K=96 N=33 bias x=transposed view``.
+        args: CPU inputs in the op's argument order (tensors keep their strides: a view
+            stays a view on the backend); ``sample`` cases hold ``(logits, [SampleRowSpec])``.
+        placed: indexes of ``args`` that are weights or KV caches, moved with
+            ``backend.place()``; the others are activations and metadata, moved to
+            ``backend.device`` as the runtime does.
+        written: indexes of ``args`` the op writes in place (the KV caches), compared after
+            the call as well as the outputs.
+        atol, rtol: an element passes when ``|out - ref| <= atol + rtol * |ref|``.
+    """
+
+    op: str
+    variant: str
+    label: str
+    args: tuple
+    placed: frozenset[int] = frozenset()
+    written: tuple[int, ...] = ()
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
+
+
+class NoCases(Exception):
+    """The kit has no case generator for an op or a variant; the message names it."""
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _randn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * scale
+
+
+def _fused_split(g: torch.Generator, t: int, widths: tuple[int, ...], *rest: int) -> list[torch.Tensor]:
+    """Views into one fused f32 ``[t, sum(widths), *rest]`` tensor, split along dim 1 (as
+    ``torch.split`` of a fused projection): non-contiguous whenever there are several parts."""
+    fused = _randn(g, t, sum(widths), *rest)
+    return list(torch.split(fused, widths, dim=1))
+
+
+K_QUANT_F16_OFFSETS = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+"""Byte offsets of the f16 super-block scale ``d`` (and ``dmin``) in each k-quant block
+(``ggml-common.h``, see :mod:`zllm.weights.formats`)."""
+
+_K_QUANT_MAX_SCALED_Q = {"q2_k": 45, "q3_k": 128, "q4_k": 945, "q5_k": 1953, "q6_k": 4096}
+# max |sub-block scale * q| (+ min) per format: bounds |w| <= d * this, so d is chosen from it
+
+
+def _gguf_quantize(w: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """``w`` f32 ``[N, K]`` encoded by gguf-py's reference quantizer (ggml's ``quantize_row_*_ref``)."""
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    data = gguf.quants.quantize(w.numpy().astype(np.float32), qtype)  # uint8 [N, bytes per row]
+    return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(data)), fmt, tuple(w.shape))
+
+
+def _random_kquant(g: torch.Generator, fmt: str, n: int, k: int) -> QuantizedTensor:
+    """Random k-quant blocks: random quants and sub-block scales, f16 ``d``/``dmin`` drawn so
+    that ``|w| <~ 1 / sqrt(K)`` (gguf-py has no k-quant encoder)."""
+    layout = BLOCK_LAYOUTS[fmt]
+    raw = torch.randint(0, 256, (n, k // layout.block_size, layout.type_size), dtype=torch.uint8, generator=g)
+    for offset in K_QUANT_F16_OFFSETS[fmt]:
+        scale = torch.rand(n, k // layout.block_size, 1, generator=g) * 2 / (_K_QUANT_MAX_SCALED_Q[fmt] * math.sqrt(k))
+        raw[..., offset : offset + 2] = scale.half().view(torch.uint8)
+    return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
+
+
+def make_weight(g: torch.Generator, fmt: str, n: int, k: int,
+                scale: float | None = None) -> torch.Tensor | QuantizedTensor:
+    """A weight ``[N, K]`` stored in ``fmt``, entries ~ ``N(0, scale^2)`` (default ``1/sqrt(K)``).
+
+    Raises:
+        NoCases: ``fmt`` is neither a dense format nor a block layout zllm knows.
+    """
+    scale = 1.0 / math.sqrt(k) if scale is None else scale
+    if fmt in DTYPE_OF_FORMAT:
+        return _randn(g, n, k, scale=scale).to(DTYPE_OF_FORMAT[fmt])
+    if fmt in K_QUANT_F16_OFFSETS:
+        return _random_kquant(g, fmt, n, k)
+    if fmt in BLOCK_LAYOUTS and hasattr(gguf.GGMLQuantizationType, fmt.upper()):
+        return _gguf_quantize(_randn(g, n, k, scale=scale), fmt)
+    raise NoCases(f"no weight encoder for format {fmt!r}")
+
+
+def _block(fmt: str) -> int:
+    """Columns must be a multiple of this for ``fmt``."""
+    if fmt in DENSE_FORMATS.values():
+        return 1
+    if fmt in BLOCK_LAYOUTS:
+        return BLOCK_LAYOUTS[fmt].block_size
+    raise NoCases(f"unknown weight format {fmt!r}")
+
+
+# ---------------------------------------------------------------------------- weight ops
+
+
+def linear_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``linear``: decode rows (T=1), odd T/N/K, bias or not, a single output row, a transposed
+    ``x`` and an ``x`` sliced out of a wider tensor. K is one or three weight blocks."""
+    blk = _block(variant)
+    k1, k3 = (blk, 3 * blk) if blk > 1 else (64, 97)
+    shapes = [  # (T, N, K, bias, x layout)
+        (1, 33, k3, False, "contiguous"),
+        (7, 64, k1, True, "contiguous"),
+        (6, 17, k3, True, "transposed view"),
+        (5, 1, k1, True, "column slice"),
+        (40, 130, k3, False, "contiguous"),
+    ]
+    if quick:
+        shapes = shapes[:3]
+    cases = []
+    for t, n, k, bias, layout in shapes:
+        w = make_weight(g, variant, n, k)
+        if layout == "transposed view":
+            x = _randn(g, k, t).t()  # [T, K], strides (1, T)
+        elif layout == "column slice":
+            x = _randn(g, t, k + 8)[:, 3 : 3 + k]  # [T, K], row stride K + 8
+        else:
+            x = _randn(g, t, k)
+        b = _randn(g, n) if bias else None
+        label = f"T={t} N={n} K={k}{' bias' if bias else ''} x={layout}"
+        cases.append(Case("linear", variant, label, (x, w, b), placed=frozenset({1, 2})))
+    return cases
+
+
+def embedding_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``embedding``: one id, repeated ids including the first and last row, odd V."""
+    blk = _block(variant)
+    k = 2 * blk if blk > 1 else 72
+    v = 37
+    id_sets = [[v - 1], [0, 5, 5, v - 1, 17, 0, 33]]
+    if not quick:
+        id_sets.append(torch.randint(0, v, (41,), generator=g).tolist())
+    cases = []
+    for ids in id_sets:
+        w = make_weight(g, variant, v, k, scale=1.0)
+        cases.append(Case("embedding", variant, f"V={v} K={k} T={len(ids)}", (w, torch.tensor(ids, dtype=torch.int64)),
+                          placed=frozenset({0})))
+    return cases
+
+
+# ---------------------------------------------------------------------------- norms, rope, activation
+
+
+_NORM_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # norm weights arrive in the checkpoint's dtype
+
+
+def _norm_shapes(quick: bool) -> list[tuple[int, int, float, str, torch.dtype]]:
+    shapes = [  # (T, K, x scale, x layout, weight dtype)
+        (1, 64, 1.0, "contiguous", torch.float32),
+        (7, 97, 30.0, "column slice", torch.bfloat16),
+        (3, 2048, 0.01, "contiguous", torch.float16),
+        (33, 40, 1.0, "contiguous", torch.float32),
+    ]
+    return shapes[:2] if quick else shapes
+
+
+def _activation(g: torch.Generator, t: int, k: int, scale: float, layout: str) -> torch.Tensor:
+    if layout == "column slice":
+        return _randn(g, t, k + 5, scale=scale)[:, 2 : 2 + k]
+    return _randn(g, t, k, scale=scale)
+
+
+def rms_norm_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``rms_norm``: odd K, tiny and large activations, f32/bf16/f16 weights, a strided ``x``."""
+    _only(variant, "rms_norm", ("f32",))
+    cases = []
+    for t, k, scale, layout, wdtype in _norm_shapes(quick):
+        x = _activation(g, t, k, scale, layout)
+        w = (1.0 + _randn(g, k, scale=0.2)).to(wdtype)
+        eps = 1e-6 if k % 2 else 1e-5
+        label = f"T={t} K={k} |x|~{scale:g} x={layout} weight={DENSE_FORMATS[wdtype]} eps={eps:g}"
+        cases.append(Case("rms_norm", variant, label, (x, w, eps), placed=frozenset({1})))
+    return cases
+
+
+def add_rms_norm_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``add_rms_norm``: as ``rms_norm``, with a residual of another magnitude (both outputs compared)."""
+    _only(variant, "add_rms_norm", ("f32",))
+    cases = []
+    for t, k, scale, layout, wdtype in _norm_shapes(quick):
+        x = _activation(g, t, k, scale, layout)
+        residual = _activation(g, t, k, 3.0 * scale, "contiguous")
+        w = (1.0 + _randn(g, k, scale=0.2)).to(wdtype)
+        label = f"T={t} K={k} |x|~{scale:g} x={layout} weight={DENSE_FORMATS[wdtype]}"
+        cases.append(Case("add_rms_norm", variant, label, (x, residual, w, 1e-6), placed=frozenset({2})))
+    return cases
+
+
+def rope_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``rope[neox|gptj]``: cos/sin of real positions (up to 8k) and frequencies, head dims
+    8..128, ``x`` either contiguous or the q part of a fused ``[T, H + 2 Hkv, D]`` QKV tensor."""
+    _only(variant, "rope", ("neox", "gptj"))
+    shapes = [(1, 4, 8, False), (7, 3, 64, True), (5, 2, 128, False), (19, 1, 16, True)]  # (T, H, D, fused)
+    if quick:
+        shapes = shapes[:2]
+    cases = []
+    for t, h, d, fused in shapes:
+        x = _fused_split(g, t, (h, 2, 2), d)[0] if fused else _randn(g, t, h, d)
+        positions = torch.randint(0, 8192, (t,), generator=g)
+        cos, sin = rope_cos_sin(positions, default_inv_freq(d, 10000.0))
+        label = f"T={t} H={h} D={d} x={'q of fused qkv' if fused else 'contiguous'}"
+        cases.append(Case("rope", variant, label, (x, cos, sin)))
+    return cases
+
+
+def silu_mul_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``silu_mul``: odd N, large negative/positive gates, gate/up as halves of a fused ``[T, 2N]``."""
+    _only(variant, "silu_mul", ("f32",))
+    shapes = [(1, 64, 1.0, False), (7, 97, 8.0, True), (33, 130, 1.0, True)]  # (T, N, gate scale, fused)
+    if quick:
+        shapes = shapes[:2]
+    cases = []
+    for t, n, scale, fused in shapes:
+        if fused:
+            gate, up = _fused_split(g, t, (n, n))
+            gate.mul_(scale)
+        else:
+            gate, up = _randn(g, t, n, scale=scale), _randn(g, t, n)
+        label = f"T={t} N={n} |gate|~{scale:g} {'gate/up = halves of fused [T, 2N]' if fused else 'contiguous'}"
+        cases.append(Case("silu_mul", variant, label, (gate, up)))
+    return cases
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@attrs.frozen
+class _Seq:
+    """One sequence of an attention batch: ``q`` new tokens at the end of ``ctx`` cached ones."""
+
+    q: int
+    ctx: int
+
+    @property
+    def kind(self) -> str:
+        if self.q == 1 and self.ctx > 1:
+            return "decode"
+        return "new-prefill" if self.q == self.ctx else "append-prefill"
+
+
+def _paged_case(g: torch.Generator, op: str, variant: str, *, h: int, hkv: int, d: int, bs: int, seqs: list[_Seq],
+                window: int | None = None, fused: bool = False, note: str = "") -> Case:
+    """A paged-attention batch: blocks handed out in random order, unused cache slots (and
+    freed blocks) holding random values, so a kernel reading past a context or before a
+    window's first block gets a wrong answer instead of a lucky zero."""
+    n_blocks = [-(-s.ctx // bs) for s in seqs]
+    num_blocks = sum(n_blocks) + 2
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(n_blocks) + 1  # at least one -1 of padding per row
+    table = torch.full((len(seqs), width), -1, dtype=torch.int64)
+    slots: list[int] = []
+    freed = 0
+    for i, s in enumerate(seqs):
+        blocks = [order.pop() for _ in range(n_blocks[i])]
+        table[i, : n_blocks[i]] = torch.tensor(blocks)
+        if window is not None:
+            first = first_window_block(s.q, s.ctx, window, bs)
+            table[i, :first] = -1  # the KV cache freed them: the kernel must not read them
+            freed += first
+        slots += [blocks[p // bs] * bs + p % bs for p in range(s.ctx - s.q, s.ctx)]
+    t = sum(s.q for s in seqs)
+    if fused:
+        q, k, v = _fused_split(g, t, (h, hkv, hkv), d)
+    else:
+        q, k, v = _randn(g, t, h, d), _randn(g, t, hkv, d), _randn(g, t, hkv, d)
+    k_cache, v_cache = _randn(g, num_blocks, bs, hkv, d), _randn(g, num_blocks, bs, hkv, d)
+    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), table, tuple(s.q for s in seqs),
+                             tuple(s.ctx for s in seqs), d ** -0.5)
+    kinds = "+".join(s.kind for s in seqs)
+    ratio = "MQA" if hkv == 1 else f"GQA {h // hkv}"
+    label = (f"{kinds} (q,ctx)={[(s.q, s.ctx) for s in seqs]} H={h} Hkv={hkv} ({ratio}) D={d} BS={bs}"
+             + (f" window={window} freed blocks={freed}" if window is not None else "")
+             + (" q/k/v = views of fused qkv" if fused else "") + (f" {note}" if note else ""))
+    args = (q, k, v, k_cache, v_cache, meta) + ((window,) if window is not None else ())
+    return Case(op, variant, label, args, placed=frozenset({3, 4}), written=(3, 4))
+
+
+def attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``attention[paged]``: New Prefill across block edges, Append Prefill, decode batches at
+    and just past block boundaries, a mixed batch; block sizes 1, 5, 16; GQA 1, 2, 4, 8, MQA."""
+    _only(variant, "attention", ("paged",))
+    op = "attention"
+    specs = [
+        dict(h=4, hkv=4, d=16, bs=16, seqs=[_Seq(37, 37)]),
+        dict(h=8, hkv=2, d=64, bs=16, seqs=[_Seq(5, 35)], fused=True),
+        dict(h=8, hkv=1, d=32, bs=16, seqs=[_Seq(1, 16), _Seq(1, 17), _Seq(1, 1), _Seq(1, 40)]),
+        dict(h=4, hkv=2, d=8, bs=1, seqs=[_Seq(6, 6), _Seq(3, 9), _Seq(1, 12)]),
+        dict(h=8, hkv=1, d=16, bs=5, seqs=[_Seq(1, 23), _Seq(11, 11), _Seq(4, 14)], fused=True),
+        dict(h=16, hkv=2, d=16, bs=16, seqs=[_Seq(2, 33), _Seq(1, 48), _Seq(17, 17)]),
+        dict(h=3, hkv=1, d=128, bs=16, seqs=[_Seq(9, 70)]),
+    ]
+    if quick:
+        specs = [specs[0], specs[2], specs[4]]
+    return [_paged_case(g, op, variant, **s) for s in specs]
+
+
+def attention_sliding_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``attention_sliding[paged]``: windows shorter than, equal to and not a multiple of the
+    block size; decode and Append Prefill rows whose early blocks are freed (-1); a New
+    Prefill longer than the window (nothing freed, the mask alone limits it)."""
+    _only(variant, "attention_sliding", ("paged",))
+    op = "attention_sliding"
+    specs = [
+        dict(h=4, hkv=2, d=16, bs=16, window=16, seqs=[_Seq(40, 40)]),
+        dict(h=8, hkv=1, d=32, bs=16, window=7, seqs=[_Seq(1, 50), _Seq(1, 17)]),
+        dict(h=4, hkv=4, d=8, bs=4, window=6, seqs=[_Seq(5, 29), _Seq(1, 30), _Seq(12, 12)], fused=True),
+        dict(h=8, hkv=2, d=64, bs=1, window=3, seqs=[_Seq(2, 9), _Seq(1, 4)]),
+        dict(h=8, hkv=1, d=16, bs=5, window=11, seqs=[_Seq(1, 36), _Seq(7, 40)]),
+    ]
+    if quick:
+        specs = specs[1:3]
+    return [_paged_case(g, op, variant, **s) for s in specs]
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def _sample_rows(g: torch.Generator, vocab: int, n_rows: int, seed: int) -> list[SampleRowSpec]:
+    """Greedy and stochastic rows cycling through the settings, with penalties on some."""
+    prompt = torch.randint(0, vocab, (6,), generator=g)
+    output = torch.randint(0, vocab, (9,), generator=g)
+    empty = torch.empty(0, dtype=torch.int64)
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, penalised=True),
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.2, penalised=True),
+        dict(temperature=1.0, top_k=1),
+        dict(temperature=2.0, top_p=1e-6),
+        dict(temperature=0.5, presence_penalty=1.0, frequency_penalty=-0.5, penalised=True),
+    ]
+    rows = []
+    for i in range(n_rows):
+        s = dict(settings[i % len(settings)])
+        penalised = s.pop("penalised", False)
+        rows.append(SampleRowSpec(**s, prompt_token_ids=prompt if penalised else empty,
+                                  output_token_ids=output if penalised else empty, seed=seed * 1000 + i))
+    return rows
+
+
+def sample_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``sample``: greedy rows (with ties, which go to the lowest index), stochastic rows with
+    top-k / top-p / min-p / penalties, one row and many rows, odd vocabularies."""
+    _only(variant, "sample", ("f32",))
+    shapes = [(1, 50, 2.0), (10, 257, 3.0), (23, 1000, 1.0)]  # (S, V, logit scale)
+    if quick:
+        shapes = shapes[:2]
+    cases = []
+    for i, (n_rows, vocab, scale) in enumerate(shapes):
+        logits = _randn(g, n_rows, vocab, scale=scale)
+        logits[0, 7] = logits[0, 11] = logits[0].max() + 1.0  # an exact tie for the top token of row 0
+        rows = _sample_rows(g, vocab, n_rows, seed=i)
+        cases.append(Case("sample", variant, f"S={n_rows} V={vocab} |logits|~{scale:g}", (logits, rows)))
+    return cases
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def _only(variant: str, op: str, variants: tuple[str, ...]) -> None:
+    if variant not in variants:
+        known = ", ".join(f"{op}[{v}]" for v in variants)
+        raise NoCases(f"no case generator for {op}[{variant}] (the kit knows {known})")
+
+
+CaseGenerator = Callable[[str, torch.Generator, bool], list[Case]]
+
+#: op -> ``generator(variant, torch.Generator, quick) -> cases``; raises :class:`NoCases`
+#: for a variant it cannot build inputs for.
+CASE_GENERATORS: dict[str, CaseGenerator] = {
+    "embedding": embedding_cases,
+    "linear": linear_cases,
+    "rms_norm": rms_norm_cases,
+    "add_rms_norm": add_rms_norm_cases,
+    "rope": rope_cases,
+    "attention": attention_cases,
+    "attention_sliding": attention_sliding_cases,
+    "silu_mul": silu_mul_cases,
+    "sample": sample_cases,
+}
+
+
+def cases_for(op: str, variant: str, seed: int, quick: bool = False) -> list[Case]:
+    """The cases for ``op[variant]``, generated from ``seed`` (the same seed gives the same cases).
+
+    Raises:
+        NoCases: the kit has no generator for ``op`` or for this variant of it.
+    """
+    try:
+        gen = CASE_GENERATORS[op]
+    except KeyError:
+        raise NoCases(f"no case generator for op {op!r} (the kit knows {', '.join(sorted(CASE_GENERATORS))})") from None
+    g = torch.Generator().manual_seed(seed)
+    return gen(variant, g, quick)

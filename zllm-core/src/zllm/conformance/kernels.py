@@ -1,0 +1,336 @@
+"""Kernel checks: every kernel a backend registers, run on generated cases against the f32 reference.
+
+For each registry entry of the backend (lower-priority ones included, e.g. batch-invariant
+kernels) and each variant it is registered for, the cases of :mod:`zllm.conformance.cases`
+are run twice: on the backend (inputs moved there as the runtime moves them) and through
+the reference registered under ``reference`` on CPU copies. Outputs, and the KV caches an
+attention kernel writes, are compared element-wise; ``sample`` is compared by its contract
+instead (greedy rows equal, drawn tokens allowed, seeded rows reproducible).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from zllm.capabilities import Capability
+from zllm.capabilities.backend import BackendInfo
+from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+from zllm.conformance.cases import Case, NoCases, SampleRowSpec, cases_for
+from zllm.conformance.report import CaseResult
+from zllm.kernels.registry import KernelEntry, KernelRegistry
+from zllm.weights.formats import QuantizedTensor
+
+#: How many seeds each ``sample`` case is drawn with (on the backend, twice each).
+SAMPLE_DRAWS = 4
+# Slack when deciding whether a drawn token survives top-k / top-p / min-p: a kernel may
+# round a threshold differently from the f64 recomputation by a few ulps of f32.
+_SAMPLE_SLACK = 1e-4
+
+
+# ---------------------------------------------------------------------------- moving inputs
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` with the same sizes, strides and storage offset (a view stays a
+    view over a copy of its whole storage, so kernels see the strides real batches have)."""
+    if t.is_contiguous():
+        return t.to(device, copy=True)
+    storage = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())  # the whole base buffer, 1-D
+    return storage.to(device, copy=True).as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def place_weight(backend: Any, w: torch.Tensor | QuantizedTensor, copy: bool = False) -> torch.Tensor | QuantizedTensor:
+    """A weight or cache where the backend's kernels expect it; a quantized weight keeps its
+    format and shape around the placed bytes (as the engine's loader places weights).
+    ``copy`` first copies it, so that a kernel writing it (a KV cache) cannot change the
+    original when ``place`` returns its argument."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(backend.place(w.data.clone() if copy else w.data), w.fmt, w.shape)
+    return backend.place(w.clone() if copy else w)
+
+
+def _sampling_row(spec: SampleRowSpec, device: torch.device, seed_offset: int) -> SamplingRow:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(spec.seed + seed_offset)
+    return SamplingRow(spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.repetition_penalty,
+                       spec.presence_penalty, spec.frequency_penalty, spec.prompt_token_ids.to(device),
+                       spec.output_token_ids.to(device), generator)
+
+
+def backend_args(case: Case, backend: Any, seed_offset: int = 0) -> list:
+    """The case's inputs on the backend: weights and caches through ``backend.place()``,
+    activations and metadata to ``backend.device``, sampling generators made there."""
+    device = backend.device
+    out: list = []
+    for i, a in enumerate(case.args):
+        if i in case.placed and a is not None:
+            out.append(place_weight(backend, a, copy=True))
+        elif isinstance(a, torch.Tensor):
+            out.append(_to_device(a, device))
+        elif isinstance(a, AttentionMetadata):
+            out.append(AttentionMetadata(a.slot_mapping.to(device), a.block_tables.to(device), a.query_lens,
+                                         a.context_lens, a.scale))
+        elif isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
+            out.append([_sampling_row(r, device, seed_offset) for r in a])
+        else:
+            out.append(a)
+    return out
+
+
+def reference_args(case: Case, seed_offset: int = 0) -> list:
+    """CPU copies of the case's inputs for the f32 reference (caches copied: it writes them)."""
+    out: list = []
+    for a in case.args:
+        if isinstance(a, torch.Tensor):
+            out.append(a.clone())
+        elif isinstance(a, QuantizedTensor):
+            out.append(QuantizedTensor(a.data.clone(), a.fmt, a.shape))
+        elif isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
+            out.append([_sampling_row(r, torch.device("cpu"), seed_offset) for r in a])
+        else:
+            out.append(a)
+    return out
+
+
+# ---------------------------------------------------------------------------- comparing
+
+
+def _tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, (tuple, list)):
+        return [t for r in result for t in _tensors(r)]
+    return [result]
+
+
+def compare(outs: list, refs: list, atol: float, rtol: float, devices: list | None = None,
+            device: torch.device | None = None) -> tuple[bool, float, float, str]:
+    """Element-wise comparison of kernel outputs (brought to the CPU) with reference outputs.
+
+    Args:
+        outs, refs: tensors, paired in order.
+        devices: where each of ``outs`` was produced; each must have ``device``'s type.
+
+    Returns ``(passed, max abs error, max rel error, detail)``. An element passes when
+    ``|out - ref| <= atol + rtol * |ref|`` (``torch.isclose``; NaN equals NaN). The relative
+    error is taken over elements with ``|ref| > atol`` (near zero it says nothing). A
+    count, shape, dtype or device mismatch fails with infinite errors and says which.
+    """
+    if len(outs) != len(refs):
+        return False, math.inf, math.inf, f"returned {len(outs)} tensors, the reference {len(refs)}"
+    max_abs = max_rel = 0.0
+    bad: list[str] = []
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        name = f"output {i}" if len(outs) > 1 else "output"
+        if not isinstance(o, torch.Tensor):
+            return False, math.inf, math.inf, f"{name} is {type(o).__name__}, not a tensor"
+        if tuple(o.shape) != tuple(r.shape):
+            return False, math.inf, math.inf, f"{name} has shape {tuple(o.shape)}, expected {tuple(r.shape)}"
+        if o.dtype != r.dtype:
+            return False, math.inf, math.inf, f"{name} has dtype {o.dtype}, expected {r.dtype}"
+        if devices is not None and device is not None and devices[i].type != device.type:
+            return False, math.inf, math.inf, f"{name} is on {devices[i]}, expected the backend's device {device}"
+        a, b = o.detach().cpu().double(), r.detach().double()
+        ok = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        err = (a - b).abs()
+        err = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(err), err.nan_to_num(nan=math.inf))
+        if err.numel():
+            max_abs = max(max_abs, float(err.max()))
+            big = b.abs() > atol
+            if bool(big.any()):
+                max_rel = max(max_rel, float((err[big] / b.abs()[big]).max()))
+        if not bool(ok.all()):
+            idx = tuple(int(j) for j in torch.nonzero(~ok)[0])
+            bad.append(f"{name}: {int((~ok).sum())} of {ok.numel()} elements outside tolerance, "
+                       f"first at {list(idx)}: {float(a[idx]):.6g} vs reference {float(b[idx]):.6g}")
+    return not bad, max_abs, max_rel, "; ".join(bad)
+
+
+def allowed_tokens(logits: torch.Tensor, row: SampleRowSpec) -> set[int]:
+    """Tokens a correct kernel may draw for one row: steps 1-7 of :mod:`zllm.domain.sampling`
+    recomputed in f64, each threshold widened by a small slack (a kernel's f32 rounding at a
+    boundary is not an error). ``logits`` f32 ``[V]``; greedy rows return the argmax only."""
+    x = logits.double().clone()  # [V]
+    vocab = x.shape[0]
+    if row.repetition_penalty != 1.0:
+        seen = torch.cat([row.prompt_token_ids, row.output_token_ids]).unique()
+        picked = x[seen]
+        x[seen] = torch.where(picked > 0, picked / row.repetition_penalty, picked * row.repetition_penalty)
+    if row.output_token_ids.numel() and (row.presence_penalty or row.frequency_penalty):
+        counts = torch.bincount(row.output_token_ids, minlength=vocab).double()
+        x = x - (row.frequency_penalty * counts + row.presence_penalty * (counts > 0).double())
+    if row.temperature == 0.0:
+        return {int(torch.argmax(x))}
+    x = x / row.temperature
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if 0 < row.top_k < vocab:
+        kth = torch.topk(x, row.top_k).values[-1]
+        keep &= x >= kth - _SAMPLE_SLACK * max(1.0, float(kth.abs()))
+    probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)
+    if row.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True, stable=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        keep &= torch.zeros(vocab, dtype=torch.bool).scatter(0, order, before < row.top_p + _SAMPLE_SLACK)
+    if row.min_p > 0.0:
+        keep &= probs >= row.min_p * probs.max() * (1 - _SAMPLE_SLACK)
+    return set(torch.nonzero(keep).flatten().tolist())
+
+
+def check_sample(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[bool, str]:
+    """The ``sample`` contract on one case, over :data:`SAMPLE_DRAWS` seeds: greedy rows equal
+    the reference exactly; each drawn token is allowed by top-k / top-p / min-p; the same
+    seeds give the same tokens twice on the backend. Returns ``(passed, detail)``."""
+    logits, specs = case.args
+    greedy = [i for i, r in enumerate(specs) if r.temperature == 0.0]
+    allowed = [allowed_tokens(logits[i], r) for i, r in enumerate(specs)]
+    problems: list[str] = []
+    for draw in range(SAMPLE_DRAWS):
+        first, second = (_tokens(fn(*backend_args(case, backend, draw)), len(specs)) for _ in range(2))
+        ref = ref_fn(*reference_args(case, draw)).tolist()
+        for i in range(len(specs)):
+            if i in greedy and first[i] != ref[i]:
+                problems.append(f"greedy row {i}: token {first[i]}, reference {ref[i]}")
+            elif first[i] not in allowed[i]:
+                problems.append(f"row {i} ({_settings(specs[i])}): token {first[i]} is not among the "
+                                f"{len(allowed[i])} tokens the settings allow")
+            if first[i] != second[i]:
+                problems.append(f"row {i}: seed {specs[i].seed + draw} drew {first[i]}, then {second[i]}")
+    if problems:
+        return False, f"{len(problems)} problem(s): " + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
+    n_random = len(specs) - len(greedy)
+    return True, (f"{SAMPLE_DRAWS} seeds: {len(greedy)} greedy rows equal the reference, {n_random} drawn rows "
+                  f"allowed by their settings, same seed -> same tokens")
+
+
+def _tokens(result: Any, n: int) -> list[int]:
+    if not isinstance(result, torch.Tensor) or result.dtype != torch.int64 or tuple(result.shape) != (n,):
+        desc = f"{result.dtype} {tuple(result.shape)}" if isinstance(result, torch.Tensor) else type(result).__name__
+        raise TypeError(f"sample returned {desc}, expected int64 [{n}]")
+    return result.cpu().tolist()
+
+
+def _settings(r: SampleRowSpec) -> str:
+    parts = [f"temperature={r.temperature:g}"]
+    parts += [f"{k}={getattr(r, k):g}" for k in ("top_k", "top_p", "min_p") if getattr(r, k) not in (0, 1.0, -1)]
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def run_case(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[bool, float | None, float | None, str]:
+    """One case on the kernel and on the reference: ``(passed, max abs err, max rel err, detail)``.
+    An exception from the kernel is a failure whose detail names it."""
+    try:
+        if case.op == "sample":
+            passed, detail = check_sample(fn, ref_fn, case, backend)
+            return passed, None, None, detail
+        dev_args = backend_args(case, backend)
+        outs = _tensors(fn(*dev_args)) + [dev_args[i] for i in case.written]
+        devices = [o.device if isinstance(o, torch.Tensor) else None for o in outs]
+        # Copying back inside the try: an asynchronous device kernel reports its errors here.
+        outs = [o.detach().cpu() if isinstance(o, torch.Tensor) else o for o in outs]
+    except Exception as exc:  # a kernel failing is a result to report, not a crash of the kit
+        return False, math.inf, math.inf, f"raised {type(exc).__name__}: {exc}".strip() + _where(exc)
+    ref_args = reference_args(case)
+    refs = _tensors(ref_fn(*ref_args)) + [ref_args[i] for i in case.written]
+    passed, max_abs, max_rel, detail = compare(outs, refs, case.atol, case.rtol, devices, backend.device)
+    if case.written and not passed:
+        detail = f"(outputs: {len(refs) - len(case.written)}, then the written KV caches) {detail}"
+    return passed, max_abs, max_rel, detail
+
+
+def _where(exc: Exception) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def backend_entries(registry: KernelRegistry, backend: str) -> list[KernelEntry]:
+    """Every kernel entry registered for ``backend``, in the registry's stable order."""
+    return [e for e in registry.entries() if e.backend == backend]
+
+
+def check_kernels(registry: KernelRegistry, info: BackendInfo, backend: Any, *, seed: int, quick: bool,
+                  ops: set[str] | None = None,
+                  on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """Run every kernel ``info.name`` registers (only ``ops`` when given) on its cases.
+
+    Also fails each declared capability that has no registered kernel, and each registered
+    op[variant] the kit has no case generator for (never skipped silently). A capability the
+    backend instance reports its device cannot run (``unsupported_capabilities()``) is
+    skipped with that reason.
+
+    Args:
+        registry: the plugin host's kernel registry (holds the references too).
+        info: the backend as published (its declared capabilities).
+        backend: the constructed backend instance (``place``, ``device``).
+        seed: seeds the case generators.
+        quick: fewer cases per op.
+        ops: op names to check; None = all.
+        on_result: called with each result as it is made (progress output).
+
+    Returns:
+        One :class:`CaseResult` per (kernel, op[variant], case).
+    """
+    results: list[CaseResult] = []
+
+    def add(r: CaseResult) -> None:
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
+
+    entries = [e for e in backend_entries(registry, info.name) if ops is None or e.op in ops]
+    registered = {Capability(e.op, f) for e in entries for f in e.formats}
+    for cap in sorted(c for c in info.capabilities if (ops is None or c.op in ops) and c not in registered):
+        add(CaseResult("(none)", str(cap), "declared capability", "failed",
+                       detail=f"backend {info.name!r} declares {cap} but registers no kernel for it"))
+    unsupported = device_unsupported(backend)
+    for entry in entries:
+        for variant in entry.formats:
+            cap = f"{entry.op}[{variant}]"
+            if cap in unsupported:
+                add(CaseResult(entry.name, cap, "device", "skipped", priority=entry.priority,
+                               batch_invariant=entry.batch_invariant,
+                               detail=f"the backend says this device cannot run {cap}: {unsupported[cap]}"))
+                continue
+            for r in _check_entry_variant(registry, entry, variant, backend, seed, quick):
+                add(r)
+    return results
+
+
+def device_unsupported(backend: Any) -> dict[str, str]:
+    """``op[variant]`` -> reason, for declared capabilities the backend instance says its device
+    cannot run (the optional ``unsupported_capabilities()`` of the Backend protocol)."""
+    method = getattr(backend, "unsupported_capabilities", None)
+    return dict(method()) if method is not None else {}
+
+
+def _check_entry_variant(registry: KernelRegistry, entry: KernelEntry, variant: str, backend: Any,
+                         seed: int, quick: bool) -> list[CaseResult]:
+    cap = f"{entry.op}[{variant}]"
+
+    def result(case: str, passed: bool, max_abs=None, max_rel=None, detail="", atol=None, rtol=None) -> CaseResult:
+        return CaseResult(entry.name, cap, case, "passed" if passed else "failed", max_abs, max_rel, atol, rtol, detail,
+                          priority=entry.priority, batch_invariant=entry.batch_invariant)
+
+    try:
+        cases = cases_for(entry.op, variant, seed, quick)
+    except NoCases as exc:
+        return [result("no cases", False, detail=str(exc))]
+    try:
+        ref_fn = registry.lookup(entry.op, entry.backend, variant, force_reference=True).fn
+    except Exception as exc:
+        return [result("no reference", False, detail=f"no f32 reference for {cap}: {exc}")]
+    try:
+        fn = entry.resolve()
+    except Exception as exc:
+        return [result("import", False, detail=f"kernel {entry.name} failed to import: {type(exc).__name__}: {exc}")]
+    out = []
+    for case in cases:
+        passed, max_abs, max_rel, detail = run_case(fn, ref_fn, case, backend)
+        exact = case.op == "sample"
+        out.append(result(case.label, passed, max_abs, max_rel, detail,
+                          None if exact else case.atol, None if exact else case.rtol))
+    return out
