@@ -1,0 +1,48 @@
+"""SiLU-gated product of a SwiGLU MLP.
+
+Dimension legend: ``T`` tokens, ``N`` intermediate size.
+
+Formula (Shazeer 2020, "GLU Variants Improve Transformer"; HF ``LlamaMLP``):
+``silu(gate) * up`` with ``silu(x) = x * sigmoid(x)`` (Elfwing et al. 2017), in f32.
+
+Program per (row, tile of :attr:`Tuning.silu_block_n` columns). ``gate`` and ``up`` are read
+through their row strides, so the two halves of a fused gate/up projection need no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zllm_kernels_triton.tuning import Tuning
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_out, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, g * tl.sigmoid(g) * u, mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tuning: Tuning = Tuning()) -> torch.Tensor:
+    """``silu(gate) * up``: ``gate``, ``up`` f32 ``[T, N]`` (row-strided views allowed) -> f32 ``[T, N]``.
+
+    Raises AssertionError on a shape, dtype or device mismatch.
+    """
+    assert gate.dim() == 2 and gate.dtype == torch.float32, (gate.shape, gate.dtype)
+    assert up.shape == gate.shape and up.dtype == torch.float32 and up.device == gate.device, (up.shape, up.dtype)
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    up = up if up.stride(-1) == 1 else up.contiguous()
+    t, n = gate.shape
+    out = torch.empty((t, n), dtype=torch.float32, device=gate.device)  # [T, N]
+    if out.numel() == 0:
+        return out
+    block_n = min(tuning.silu_block_n, triton.next_power_of_2(n))
+    _silu_mul_kernel[(t, triton.cdiv(n, block_n))](
+        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK_N=block_n, num_warps=tuning.silu_num_warps,
+    )
+    return out
