@@ -6,8 +6,11 @@ Usage::
     python -m pytest --junitxml=junit.xml          # from the repository root
     python tools/check_verified.py junit.xml [compat/verified.toml]
 
-A "verified" cell of COMPATIBILITY.md is only as true as the tests behind it; this check
-keeps an entry from outliving its test (renamed, deleted, skipped, failing). Exit status:
+The file names tests in two kinds of table: ``[[cell]]`` (the tests behind a verified cell)
+and ``[[kernel]]`` (the tests behind one backend kernel; a cell whose every kernel has them
+is kernel-verified). Both count: a cell of COMPATIBILITY.md is only as true as the tests
+behind it, and this check keeps an entry from outliving its test (renamed, deleted,
+skipped, failing). Exit status:
 0 all listed tests passed; 1 some did not (each is named with what happened); 2 usage or
 unreadable input.
 
@@ -50,14 +53,12 @@ def outcomes(junit_xml: Path) -> dict[tuple[str, str], str]:
 
 
 def listed_tests(verified_toml: Path) -> list[tuple[str, str]]:
-    """``(cell, node_id)`` for every test the verified file lists."""
+    """``(what it backs, node_id)`` for every test the verified file lists: the ``[[cell]]``
+    claims (``llama x cpu x hf-f32 (verified)``) and the ``[[kernel]]`` evidence behind
+    kernel-verified cells (``cuda rms_norm[f32] (kernel-verified)``)."""
     from zllm.compat import load_verified  # one parser for the schema: the one `zllm compat` uses
 
-    return [
-        (f"{e.family} x {e.backend} x {e.format} ({e.status})", node)
-        for e in load_verified(verified_toml)
-        for node in e.tests
-    ]
+    return load_verified(verified_toml).tests()
 
 
 def check(junit_xml: Path, verified_toml: Path) -> list[str]:
@@ -73,7 +74,7 @@ def check(junit_xml: Path, verified_toml: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2 or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
+        print("\n\n".join(__doc__.strip().split("\n\n")[1:3]), file=sys.stderr)
         return 2
     junit_xml = Path(argv[0])
     verified_toml = Path(argv[1]) if len(argv) == 2 else DEFAULT_VERIFIED

@@ -96,3 +96,12 @@ def test_checker_accepts_the_committed_verified_file_schema(junit):
     # the committed file parses; whether its tests pass is `make test`'s job
     proc = run_checker(junit, REPO / "compat" / "verified.toml")
     assert proc.returncode in (0, 1), proc.stderr
+
+
+def test_checker_holds_kernel_evidence_to_the_same_bar(junit, tmp_path):
+    path = tmp_path / "verified.toml"
+    path.write_text('[[kernel]]\nbackend = "cuda"\ncapability = "rms_norm[f32]"\n'
+                    'tests = ["e2e/test_sample.py::test_passes", "e2e/test_sample.py::test_fails"]\n', encoding="utf-8")
+    proc = run_checker(junit, path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[1:] == ["  e2e/test_sample.py::test_fails: failed (listed for cuda rms_norm[f32] (kernel-verified))"]

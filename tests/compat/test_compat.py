@@ -67,25 +67,40 @@ def test_cells_are_declared_where_capabilities_match_and_unsupported_naming_what
     assert cell(matrix, "hf-bf16").missing == ("embedding[bf16]", "linear[bf16]")
 
 
-def test_listed_tests_make_a_cell_verified_or_kernel_verified(host, tmp_path):
-    path = write_verified(tmp_path, '''
-[[cell]]
-family = "llama"
-backend = "example"
-format = "hf-f32"
-tests = ["tests/e2e/test_x.py::test_y"]
+def kernel_tables(backend: str, caps, test: str = "tests/k.py::t") -> str:
+    return "".join(f'[[kernel]]\nbackend = "{backend}"\ncapability = "{c}"\ntests = ["{test}[{c}]"]\n' for c in caps)
 
-[[cell]]
-family = "llama"
-backend = "example"
-format = "gguf-F32"
-status = "kernel-verified"
-''')
+
+def test_listed_tests_make_a_cell_verified(host, tmp_path):
+    path = write_verified(tmp_path, '[[cell]]\nfamily = "llama"\nbackend = "example"\nformat = "hf-f32"\n'
+                                    'tests = ["tests/e2e/test_x.py::test_y"]\n')
     matrix = compute_matrix(host, path)
     assert cell(matrix, "hf-f32").status == "verified"
     assert cell(matrix, "hf-f32").tests == ("tests/e2e/test_x.py::test_y",)
-    assert cell(matrix, "gguf-F32").status == "kernel-verified"
+    assert cell(matrix, "gguf-F32").status == "declared"
     assert matrix.notes == ()
+
+
+def test_a_cell_is_kernel_verified_only_when_every_kernel_it_binds_has_tests(host, tmp_path):
+    needed = sorted(map(str, host.families["llama"].load().format_capabilities("f32")))
+    matrix = compute_matrix(host, write_verified(tmp_path, kernel_tables("example", needed)))
+    for fmt in ("hf-f32", "gguf-F32"):  # the same capabilities bind both
+        assert cell(matrix, fmt).status == "kernel-verified"
+        assert cell(matrix, fmt).tests == tuple(sorted(f"tests/k.py::t[{c}]" for c in needed))
+    assert cell(matrix, "gguf-Q4_0").status == "unsupported"  # evidence never outweighs a missing capability
+
+    one_short = compute_matrix(host, write_verified(tmp_path, kernel_tables("example", needed[1:])))
+    assert cell(one_short, "hf-f32").status == "declared"
+    assert one_short.notes == ()
+
+
+def test_kernel_evidence_for_an_undeclared_capability_or_unloaded_backend_is_reported(host, tmp_path):
+    body = kernel_tables("example", ["linear[q4_0]"]) + kernel_tables("gpu9", ["linear[f32]"])
+    matrix = compute_matrix(host, write_verified(tmp_path, body))
+    assert matrix.notes == (
+        "kernel linear[q4_0] on example: listed as kernel-verified but the backend does not declare it",
+        "kernel linear[f32] on gpu9: listed as kernel-verified but the backend is not loaded",
+    )
 
 
 def test_a_claim_the_capabilities_contradict_stays_unsupported_and_is_reported(host, tmp_path):
@@ -107,6 +122,14 @@ def test_a_claim_the_capabilities_contradict_stays_unsupported_and_is_reported(h
     ('[[cell]]\nfamily = "llama"\nformat = "hf-f32"\ntests = ["t.py::t"]\n', "cell[0].backend"),
     ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\ntest = ["t.py::t"]\n', "cell[0].test"),
     ('[[cells]]\nfamily = "llama"\n', "cells"),
+    ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\nstatus = "kernel-verified"\ntests = ["t.py::t"]\n',
+     "cell[0].status"),
+    ('[[kernel]]\nbackend = "cuda"\ncapability = "rms_norm"\ntests = ["t.py::t"]\n', "kernel[0].capability"),
+    ('[[kernel]]\nbackend = "cuda"\ncapability = "rms_norm[f32]"\n', "kernel[0].tests"),
+    ('[[kernel]]\ncapability = "rms_norm[f32]"\ntests = ["t.py::t"]\n', "kernel[0].backend"),
+    ('[[kernel]]\nbackend = "cuda"\ncapability = "rms_norm[f32]"\nformat = "hf-f32"\ntests = ["t.py::t"]\n',
+     "kernel[0].format"),
+    ('kernel = "all of them"\n', "kernel"),
 ])
 def test_malformed_verified_file_raises_naming_the_key_path(tmp_path, body, key):
     with pytest.raises(ConfigError) as info:

@@ -32,8 +32,16 @@ DISTS = {
     "zllm-core": ("zllm-core", "zllm_core", None),
     "zllm-backend-cpu": ("zllm-backend-cpu", "zllm_backend_cpu", "cpu"),
     "zllm-models/llama": ("zllm-model-llama", "zllm_model_llama", "llama"),
+    "zllm-kernels-torch": ("zllm-kernels-torch", "zllm_kernels_torch", None),
+    "zllm-kernels-triton": ("zllm-kernels-triton", "zllm_kernels_triton", None),
+    "zllm-backend-cuda": ("zllm-backend-cuda", "zllm_backend_cuda", "cuda"),
+    "zllm-backend-rocm": ("zllm-backend-rocm", "zllm_backend_rocm", "rocm"),
+    "zllm-backend-metal": ("zllm-backend-metal", "zllm_backend_metal", "metal"),
 }
 PLUGIN_DISTS = [folder for folder, (_, _, ep) in DISTS.items() if ep]
+# The CPU backend's wheel holds its native GEMV library (built by its setup.py): tied to the
+# platform, not to a Python version or ABI. The others are pure Python.
+WHEEL_TAGS = {"zllm-backend-cpu": "py3-none-" + sysconfig.get_platform().replace("-", "_").replace(".", "_")}
 
 
 def _clean_env() -> dict[str, str]:
@@ -95,7 +103,8 @@ def _dist_info(wheel: Path) -> dict[str, str]:
 def test_wheel_metadata_names_the_distribution_and_version_0_1_0(wheels, folder):
     name, prefix, _ = DISTS[folder]
     wheel = wheels[folder]
-    assert wheel.name.startswith(f"{prefix}-0.1.0-") and wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    tag = WHEEL_TAGS.get(folder, "py3-none-any")
+    assert wheel.name.startswith(f"{prefix}-0.1.0-") and wheel.name.endswith(f"-{tag}.whl"), wheel.name
     meta = Parser().parsestr(_dist_info(wheel)["METADATA"])
     assert meta["Name"] == name
     assert meta["Version"] == "0.1.0"
@@ -178,6 +187,10 @@ def test_core_with_only_the_cpu_backend_lists_it_and_knows_no_architecture(wheel
     assert where.returncode == 0, where.stderr
     for path in where.stdout.split():
         assert Path(path).is_relative_to(tmp_path / "venv"), where.stdout
+    # the wheel's native GEMV library loads (None: no reason it cannot be used)
+    native = _run([bin_dir / "python", "-c", "from zllm_backend_cpu.kernels.native import unavailable_reason as r; print(r())"],
+                  cwd=tmp_path)
+    assert native.stdout.strip() == "None", native.stdout + native.stderr
 
     proc = _run([bin_dir / "zllm", "plugins"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

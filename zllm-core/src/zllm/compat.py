@@ -2,13 +2,18 @@
 
 A cell's status is the strongest claim the evidence supports:
 
-- ``verified``: ``compat/verified.toml`` names pytest node IDs that ran this family on this
-  backend with this weight format against the oracle, and the capabilities match.
-  (``tools/check_verified.py`` checks, against a junit report, that those tests ran and passed.)
-- ``kernel-verified``: the verified file marks the cell so — its kernels were checked in
-  Triton's interpreter, no device ran the model.
+- ``verified``: a ``[[cell]]`` of ``compat/verified.toml`` names pytest node IDs that ran this
+  family on this backend with this weight format against the oracle, and the capabilities
+  match.
+- ``kernel-verified``: every capability the cell binds (the family's needs for the format)
+  has a ``[[kernel]]`` entry for this backend, naming the tests that ran that backend's
+  registered kernel against the f32 reference without a device — Triton kernels under
+  Triton's interpreter, torch kernels on CPU tensors. No device ran the model.
 - ``declared``: the backend declares every capability the family needs; nothing ran.
 - ``unsupported (missing: linear[q4_0], ...)``: the capabilities the backend lacks.
+
+``tools/check_verified.py`` checks, against a junit report, that every test either table
+names ran and passed.
 
 Capabilities come from the same code the loader uses (the family's ``format_capabilities``
 and the backend's static ``BackendInfo.capabilities``), so the matrix cannot claim a cell
@@ -57,8 +62,9 @@ FORMAT_AXIS: dict[str, str] = {
     "gguf-Q6_K": "q6_k",
 }
 
-#: Statuses the verified file may claim for a cell.
-CLAIMABLE = ("verified", "kernel-verified")
+#: Statuses a ``[[cell]]`` of the verified file may claim; ``kernel-verified`` is derived from
+#: ``[[kernel]]`` entries instead.
+CLAIMABLE = ("verified",)
 
 VERIFIED_RELPATH = Path("compat") / "verified.toml"
 
@@ -72,6 +78,29 @@ class VerifiedEntry:
     format: str
     status: str
     tests: tuple[str, ...]
+
+
+@attrs.frozen
+class KernelEvidence:
+    """One ``[[kernel]]`` of the verified file: tests that ran ``backend``'s kernel for
+    ``capability`` (``op[variant]``) against the reference without a device."""
+
+    backend: str
+    capability: str
+    tests: tuple[str, ...]
+
+
+@attrs.frozen
+class Evidence:
+    """The parsed verified file: ``[[cell]]`` claims and ``[[kernel]]`` evidence."""
+
+    cells: tuple[VerifiedEntry, ...] = ()
+    kernels: tuple[KernelEvidence, ...] = ()
+
+    def tests(self) -> list[tuple[str, str]]:
+        """``(what it backs, node_id)`` for every listed test, cells first."""
+        return [(f"{e.family} x {e.backend} x {e.format} ({e.status})", t) for e in self.cells for t in e.tests] + [
+            (f"{k.backend} {k.capability} (kernel-verified)", t) for k in self.kernels for t in k.tests]
 
 
 @attrs.frozen
@@ -137,46 +166,69 @@ def find_verified_file(start: Path | None = None) -> Path | None:
     return None
 
 
-def load_verified(path: Path) -> list[VerifiedEntry]:
+def load_verified(path: Path) -> Evidence:
     """Parse the verified file.
 
     Raises:
         ConfigError: the file is not TOML or an entry is malformed; the key path names it
-            (``cell[2].format``).
+            (``cell[2].format``, ``kernel[0].capability``).
     """
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("", f"{path}: cannot read verified file: {exc}") from None
-    unknown = sorted(set(data) - {"cell"})
+    unknown = sorted(set(data) - {"cell", "kernel"})
     if unknown:
-        raise ConfigError(unknown[0], f"{path}: unknown top-level key; expected [[cell]] tables")
-    entries = []
-    cells = data.get("cell", [])
-    if not isinstance(cells, list):
-        raise ConfigError("cell", f"{path}: expected [[cell]] tables, got {type(cells).__name__}")
-    for i, raw in enumerate(cells):
-        where = f"cell[{i}]"
+        raise ConfigError(unknown[0], f"{path}: unknown top-level key; expected [[cell]] and [[kernel]] tables")
+    cells = [_cell_entry(path, f"cell[{i}]", raw) for i, raw in enumerate(_tables(path, data, "cell"))]
+    kernels = [_kernel_entry(path, f"kernel[{i}]", raw) for i, raw in enumerate(_tables(path, data, "kernel"))]
+    return Evidence(tuple(cells), tuple(kernels))
+
+
+def _tables(path: Path, data: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    tables = data.get(key, [])
+    if not isinstance(tables, list):
+        raise ConfigError(key, f"{path}: expected [[{key}]] tables, got {type(tables).__name__}")
+    for i, raw in enumerate(tables):
         if not isinstance(raw, dict):
-            raise ConfigError(where, f"{path}: expected a [[cell]] table, got {type(raw).__name__}")
-        extra = sorted(set(raw) - {"family", "backend", "format", "status", "tests"})
-        if extra:
-            raise ConfigError(f"{where}.{extra[0]}", f"{path}: unknown key; expected family, backend, format, status, tests")
-        for key in ("family", "backend", "format"):
-            if not isinstance(raw.get(key), str):
-                raise ConfigError(f"{where}.{key}", f"{path}: required string")
-        if raw["format"] not in FORMAT_AXIS:
-            raise ConfigError(f"{where}.format", f"{path}: {raw['format']!r} is not one of {', '.join(FORMAT_AXIS)}")
-        status = raw.get("status", "verified")
-        if status not in CLAIMABLE:
-            raise ConfigError(f"{where}.status", f"{path}: {status!r} is not one of {', '.join(CLAIMABLE)}")
-        tests = raw.get("tests", [])
-        if not (isinstance(tests, list) and all(isinstance(t, str) and t for t in tests)):
-            raise ConfigError(f"{where}.tests", f"{path}: must be a list of pytest node IDs")
-        if status == "verified" and not tests:
-            raise ConfigError(f"{where}.tests", f"{path}: a verified cell needs at least one pytest node ID")
-        entries.append(VerifiedEntry(raw["family"], raw["backend"], raw["format"], status, tuple(tests)))
-    return entries
+            raise ConfigError(f"{key}[{i}]", f"{path}: expected a [[{key}]] table, got {type(raw).__name__}")
+    return tables
+
+
+def _fields(path: Path, where: str, raw: dict[str, Any], strings: tuple[str, ...], optional: tuple[str, ...]) -> tuple[str, ...]:
+    """Check the keys of one table and its required strings; return its ``tests`` list."""
+    extra = sorted(set(raw) - {*strings, *optional, "tests"})
+    if extra:
+        raise ConfigError(f"{where}.{extra[0]}", f"{path}: unknown key; expected {', '.join((*strings, *optional, 'tests'))}")
+    for key in strings:
+        if not isinstance(raw.get(key), str):
+            raise ConfigError(f"{where}.{key}", f"{path}: required string")
+    tests = raw.get("tests", [])
+    if not (isinstance(tests, list) and all(isinstance(t, str) and t for t in tests)):
+        raise ConfigError(f"{where}.tests", f"{path}: must be a list of pytest node IDs")
+    if not tests:
+        raise ConfigError(f"{where}.tests", f"{path}: needs at least one pytest node ID")
+    return tuple(tests)
+
+
+def _cell_entry(path: Path, where: str, raw: dict[str, Any]) -> VerifiedEntry:
+    tests = _fields(path, where, raw, ("family", "backend", "format"), ("status",))
+    status = raw.get("status", "verified")
+    if status not in CLAIMABLE:
+        derived = " (kernel-verified is derived from [[kernel]] entries)" if status == "kernel-verified" else ""
+        raise ConfigError(f"{where}.status", f"{path}: {status!r} is not one of {', '.join(CLAIMABLE)}{derived}")
+    if raw["format"] not in FORMAT_AXIS:
+        raise ConfigError(f"{where}.format", f"{path}: {raw['format']!r} is not one of {', '.join(FORMAT_AXIS)}")
+    return VerifiedEntry(raw["family"], raw["backend"], raw["format"], status, tests)
+
+
+def _kernel_entry(path: Path, where: str, raw: dict[str, Any]) -> KernelEvidence:
+    tests = _fields(path, where, raw, ("backend", "capability"), ())
+    cap = raw["capability"]
+    op, bracket, variant = cap.partition("[")
+    if not (op and bracket and variant.endswith("]") and len(variant) > 1):
+        raise ConfigError(f"{where}.capability", f"{path}: {cap!r} is not a capability 'op[variant]'")
+    return KernelEvidence(raw["backend"], cap, tests)
 
 
 def _core_version() -> str:
@@ -208,8 +260,11 @@ def compute_matrix(host: "PluginHost", verified: Path | None = None) -> CompatMa
         # Shown relative to the repository root so COMPATIBILITY.md does not depend on
         # where the checkout lives.
         path, shown = find_verified_file(), VERIFIED_RELPATH.as_posix()
-    entries = load_verified(path) if path is not None else []
-    claims = {(e.family, e.backend, e.format): e for e in entries}
+    evidence = load_verified(path) if path is not None else Evidence()
+    claims = {(e.family, e.backend, e.format): e for e in evidence.cells}
+    checked: dict[tuple[str, str], tuple[str, ...]] = {}  # (backend, capability) -> tests
+    for k in evidence.kernels:
+        checked[(k.backend, k.capability)] = checked.get((k.backend, k.capability), ()) + k.tests
 
     cells = []
     for fam_name in sorted(host.families):
@@ -217,18 +272,28 @@ def compute_matrix(host: "PluginHost", verified: Path | None = None) -> CompatMa
         for be_name in sorted(host.backends):
             provided = host.backends[be_name].capabilities
             for fmt, weight_fmt in FORMAT_AXIS.items():
-                missing = tuple(missing_capabilities(family.format_capabilities(weight_fmt), provided))
+                needed = family.format_capabilities(weight_fmt)
+                missing = tuple(missing_capabilities(needed, provided))
                 claim = claims.pop((fam_name, be_name, fmt), None)
+                kernel_tests = [checked.get((be_name, str(c))) for c in sorted(needed)]
                 if missing:
                     cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "unsupported", missing))
                     if claim is not None:
                         claims[(fam_name, be_name, fmt)] = claim  # reported below: a claim the capabilities contradict
                 elif claim is not None:
                     cells.append(Cell(fam_name, be_name, fmt, weight_fmt, claim.status, (), claim.tests))
+                elif all(kernel_tests):
+                    tests = tuple(sorted({t for ts in kernel_tests for t in ts}))
+                    cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "kernel-verified", (), tests))
                 else:
                     cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "declared"))
 
     notes = []
+    for k in evidence.kernels:
+        if k.backend not in host.backends:
+            notes.append(f"kernel {k.capability} on {k.backend}: listed as kernel-verified but the backend is not loaded")
+        elif k.capability not in {str(c) for c in host.backends[k.backend].capabilities}:
+            notes.append(f"kernel {k.capability} on {k.backend}: listed as kernel-verified but the backend does not declare it")
     for (fam, be, fmt), e in sorted(claims.items()):
         if fam in host.families and be in host.backends:
             notes.append(f"{fam} x {be} x {fmt}: listed as {e.status} but the backend lacks needed capabilities")
@@ -287,9 +352,10 @@ def _render_md(matrix: CompatMatrix) -> str:
         "",
         "Evidence for verified cells: " + (f"`{matrix.verified_file}`" if matrix.verified_file else "none (no compat/verified.toml found)"),
         "",
-        "Statuses: *verified* (a listed test ran it against the oracle), *kernel-verified* (kernels"
-        " checked in Triton's interpreter), *declared* (capabilities match, nothing ran),"
-        " *unsupported* (names the missing capabilities).",
+        "Statuses: *verified* (a listed test ran the model on this backend against the oracle),"
+        " *kernel-verified* (every kernel the cell binds ran against the f32 reference without a device:"
+        " Triton kernels in Triton's interpreter, torch kernels on CPU tensors; no device ran the model),"
+        " *declared* (capabilities match, nothing ran), *unsupported* (names the missing capabilities).",
         "",
         "## Plugins",
         "",

@@ -17,7 +17,20 @@ class Backend(Protocol):
 
     A backend class is constructed as ``cls(threads=N_or_None)``; it must also provide the
     classmethod ``unavailable_reason() -> str | None`` which is called *before*
-    construction and returns why the backend cannot run here (``None`` = it can).
+    construction and returns why the backend cannot run here (``None`` = it can). A
+    backend for a family of devices (``cuda``, ``rocm``, ``metal``) also takes
+    ``device=None`` (its default device) or a torch device string such as ``"cuda:1"``.
+
+    Optional: ``unsupported_capabilities(self) -> dict[str, str]``, for a backend whose
+    static :attr:`BackendInfo.capabilities` hold for its device family but not for every
+    device in it (bf16 weights need sm_80 on CUDA, a gfx90a-class GPU on ROCm, macOS 14 on
+    Metal). Called on the constructed instance, so it may query the device; returns the
+    declared capabilities (``op[variant]``) this device cannot run, each with the reason,
+    and ``{}`` when it runs them all. The loader calls it after constructing the backend and
+    before reading any weight, and raises
+    :class:`~zllm.spec.errors.CapabilityError` (capability, backend, family and the reason)
+    when the model needs one of them. A backend without the method runs everything it
+    declares (the CPU backend).
     """
 
     name: str

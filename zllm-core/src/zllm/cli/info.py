@@ -17,11 +17,20 @@ def _host():
     return PluginHost(allowlist=plugin_allowlist_from_env())
 
 
+def _reason(host, rec) -> str:
+    """Why a plugin is not loaded or, for a loaded one, why each of its backends cannot run here."""
+    from zllm.plugins.selection import unavailable_reason
+
+    backends = [k.removeprefix("backend:") for k in rec.kinds if k.startswith("backend:")]
+    whys = [(name, unavailable_reason(host.backends[name])[1]) for name in backends]
+    return rec.reason or "; ".join(f"backend {name} unavailable: {why}" for name, why in whys if why)
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     host = _host()
     rows = [
         {"name": r.name, "distribution": r.distribution, "version": r.version, "kind": r.kind,
-         "status": r.status, "reason": r.reason, "api": r.api, "requires_core": r.requires_core}
+         "status": r.status, "reason": _reason(host, r), "api": r.api, "requires_core": r.requires_core}
         for r in host.records
     ]
     if args.json:

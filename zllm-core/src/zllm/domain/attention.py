@@ -79,8 +79,8 @@ def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     v = v.repeat_interleave(h // hkv, dim=1)  # [L', H, D]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Q, L']
     n_ctx = first_key_pos + n_k
-    q_pos = torch.arange(n_ctx - n_q, n_ctx)  # absolute position of each query
-    k_pos = torch.arange(first_key_pos, n_ctx)
+    q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device)  # absolute position of each query
+    k_pos = torch.arange(first_key_pos, n_ctx, device=q.device)
     allowed = k_pos[None, :] <= q_pos[:, None]  # [Q, L']
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window

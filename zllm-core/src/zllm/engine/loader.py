@@ -2,7 +2,8 @@
 
 Order matters and is the contract: open the checkpoint (headers only) -> find the family by
 architecture -> parse its spec -> compute needed capabilities from tensor formats ->
-select the backend (capability check) -> bind kernels -> only then read weights.
+select the backend (capability check) -> construct it and check what its device cannot run
+-> bind kernels -> only then read weights.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import Callable
 import attrs
 import torch
 
+from zllm.capabilities import Capability
 from zllm.domain.family import FamilyInfo
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
 from zllm.spec.config import ZllmConfig
-from zllm.spec.errors import CheckpointError, ConfigError, TensorError, UnknownArchitectureError
+from zllm.spec.errors import CapabilityError, CheckpointError, ConfigError, TensorError, UnknownArchitectureError
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
 
@@ -107,6 +109,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     needed = family.required_capabilities(spec, formats)
     choice = select_backend(host, cfg.backend.name, needed, info.name)
     backend = choice.cls(threads=cfg.backend.threads)
+    check_device_capabilities(backend, needed, choice.info.name, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
                    batch_invariant=cfg.runtime.batch_invariant)
 
@@ -122,6 +125,23 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     tokenizer = ckpt.load_tokenizer()
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
                        ctx, time.perf_counter() - t0)
+
+
+def check_device_capabilities(backend: object, needed: frozenset[Capability], backend_name: str, family: str) -> None:
+    """Reject capabilities the backend declares but this device cannot run.
+
+    Asks the backend instance's optional ``unsupported_capabilities()`` (see
+    :class:`~zllm.capabilities.backend.Backend`); a backend without it runs all it declares.
+
+    Raises:
+        CapabilityError: ``needed`` holds some of them; names each, the backend, the family
+            and the device's reasons.
+    """
+    report = getattr(backend, "unsupported_capabilities", None)
+    unsupported = report() if report is not None else {}
+    missing = {str(c): unsupported[str(c)] for c in needed if str(c) in unsupported}
+    if missing:
+        raise CapabilityError(list(missing), backend_name, family, reasons=missing)
 
 
 def _nbytes(ckpt: Checkpoint, name: str) -> int:

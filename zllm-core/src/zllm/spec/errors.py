@@ -63,15 +63,18 @@ class UnknownArchitectureError(CheckpointError):
 
 
 class CapabilityError(ZllmError):
-    """A model family needs capabilities that the selected backend does not declare."""
+    """A model family needs capabilities that the selected backend does not declare, or
+    (with ``reasons``: capability -> why) that it declares but cannot run on this device."""
 
-    def __init__(self, missing: list[str], backend: str, family: str):
+    def __init__(self, missing: list[str], backend: str, family: str, reasons: dict[str, str] | None = None):
         self.missing = sorted(missing)
         self.backend = backend
         self.family = family
+        why = sorted(set((reasons or {}).values()))
         super().__init__(
             f"backend {backend!r} lacks capabilit{'y' if len(self.missing) == 1 else 'ies'} "
             f"{', '.join(self.missing)} needed by model family {family!r}"
+            + (f" on this device: {'; '.join(why)}" if why else "")
         )
 
 

@@ -1,0 +1,15 @@
+"""Device-generic SwiGLU gate: ``silu(gate) * up`` (Shazeer 2020; HF ``LlamaMLP``).
+
+Dimension legend: ``T`` tokens, ``N`` intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate``, ``up`` f32 ``[T, N]`` -> f32 ``[T, N]``."""
+    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (gate.shape, gate.dtype, up.shape)
+    return F.silu(gate) * up
