@@ -7,15 +7,14 @@ caches, and compares outputs and the caches after the write.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zllm.capabilities.ops import AttentionMetadata
 from zllm.domain.attention import attention as ref_attention
 from zllm_backend_cpu.kernels.attention import attention
+
+from tests.paged_batches import paged_batch as build
 
 HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]  # MHA, GQA, GQA, MQA
 
@@ -32,27 +31,6 @@ def paged_batch(draw):
         lens.append(({"new": n_ctx, "decode": 1, "append": draw(st.integers(1, n_ctx))}[kind], n_ctx))
     cache_dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
     return h, hkv, d, bs, lens, cache_dtype, draw(st.integers(0, 2**16))
-
-
-def build(h, hkv, d, bs, lens, cache_dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    per_seq = [math.ceil(c / bs) for _, c in lens]
-    n_blocks = sum(per_seq) + 3
-    k_cache = torch.randn(n_blocks, bs, hkv, d, generator=g).to(cache_dtype)
-    v_cache = torch.randn(n_blocks, bs, hkv, d, generator=g).to(cache_dtype)
-    perm = torch.randperm(n_blocks, generator=g)
-    tables = torch.full((len(lens), max(per_seq) + 2), -1, dtype=torch.int64)
-    slots, used = [], 0
-    for s, (n_q, n_ctx) in enumerate(lens):
-        tables[s, : per_seq[s]] = perm[used : used + per_seq[s]]
-        used += per_seq[s]
-        pos = torch.arange(n_ctx - n_q, n_ctx)
-        slots.append(tables[s, pos // bs] * bs + pos % bs)
-    t = sum(q for q, _ in lens)
-    q = torch.randn(t, h, d, generator=g)
-    k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
-    meta = AttentionMetadata(torch.cat(slots), tables, tuple(q for q, _ in lens), tuple(c for _, c in lens), d**-0.5)
-    return q, k, v, k_cache, v_cache, meta
 
 
 @settings(max_examples=40, deadline=None)

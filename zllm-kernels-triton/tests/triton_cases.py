@@ -7,7 +7,6 @@ spare garbage blocks, as in ``zllm-core/tests/domain/test_ref_attention.py``.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from hypothesis import strategies as st
@@ -16,6 +15,8 @@ from zllm.capabilities.ops import AttentionMetadata
 from zllm.domain.attention import first_window_block
 from zllm.plugin_api import QuantizedTensor
 from zllm_kernels_triton import Tuning
+
+from tests.paged_batches import paged_batch
 
 HEADS = [(2, 2), (4, 4), (2, 1), (4, 2), (4, 1), (8, 2)]  # (H, Hkv): GQA ratios 1, 2, 4
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -56,27 +57,9 @@ def build(h, hkv, d, bs, lens, cache_dtype, seed):
     projection, as a model's QKV matmul produces them. For a bf16 cache the new ``k``/``v``
     are bf16-representable (:func:`bf16_representable`).
     """
-    g = torch.Generator().manual_seed(seed)
-    per_seq = [math.ceil(c / bs) for _, c in lens]
-    n_blocks = sum(per_seq) + 2
-    k_cache = torch.randn(n_blocks, bs, hkv, d, generator=g).to(cache_dtype)
-    v_cache = torch.randn(n_blocks, bs, hkv, d, generator=g).to(cache_dtype)
-    perm = torch.randperm(n_blocks, generator=g)
-    tables = torch.full((len(lens), max(per_seq) + 1), -1, dtype=torch.int64)
-    slots, used = [], 0
-    for s, (n_q, n_ctx) in enumerate(lens):
-        tables[s, : per_seq[s]] = perm[used : used + per_seq[s]]
-        used += per_seq[s]
-        pos = torch.arange(n_ctx - n_q, n_ctx)
-        slots.append(tables[s, pos // bs] * bs + pos % bs)
-    t = sum(q for q, _ in lens)
-    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)
-    q = qkv[:, : h * d].view(t, h, d)
-    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
-    v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+    q, k, v, k_cache, v_cache, meta = paged_batch(h, hkv, d, bs, lens, cache_dtype, seed, fused_qkv=True)
     if cache_dtype == torch.bfloat16:
         bf16_representable(k), bf16_representable(v)
-    meta = AttentionMetadata(torch.cat(slots), tables, tuple(q for q, _ in lens), tuple(c for _, c in lens), d**-0.5)
     return q, k, v, k_cache, v_cache, meta
 
 
