@@ -17,6 +17,7 @@ from ruamel.yaml import YAML
 
 from tests.cli.conftest import one_line_error, zllm
 from tests.conftest import CONFIGS, MODEL_DIR, write_config
+from zllm_backend_cpu.kernels.native import unavailable_reason as native_unavailable
 
 HF_DIR = MODEL_DIR / "hf"
 GGUF_Q8_0 = MODEL_DIR / "gguf" / "stories260K-q8_0.gguf"
@@ -211,7 +212,11 @@ def test_explain_prints_the_kernel_chosen_for_each_capability_and_why():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "the generation still runs"
     lines = explain_lines(proc.stderr)
-    assert lines["linear[q8_0]"][0] == "zllm_backend_cpu.kernels.linear:linear_quant"
+    if native_unavailable() is None:  # the CPU backend's native GEMV library was built and loads
+        assert lines["linear[q8_0]"][0] == "zllm_backend_cpu.kernels.gemv:linear_gemv"
+    else:
+        assert lines["linear[q8_0]"][0] == "zllm_backend_cpu.kernels.linear:linear_quant"
+        assert "native GEMV kernels unavailable" in lines["linear[q8_0]"][1]
     assert lines["embedding[q8_0]"][0] == "zllm_backend_cpu.kernels.linear:embedding_quant"
     for op in ("attention", "rms_norm", "rope", "silu_mul", "sample"):
         assert any(cap.startswith(f"{op}[") for cap in lines), f"no line for {op}:\n{proc.stderr}"

@@ -46,6 +46,18 @@ def test_lookup_returns_the_callable_and_why_it_was_chosen():
     assert best.reason == "highest priority 5 for linear/acme/f32; also registered: torch:matmul (priority 0)"
 
 
+def test_a_registration_note_follows_the_reason_whenever_that_kernel_is_chosen():
+    reg = KernelRegistry()
+    reg.register("linear", "acme", ("f16",), "torch:matmul", registered_by="zllm-backend-acme",
+                 note="fast kernel unavailable: no compiler")
+    assert reg.lookup("linear", "acme", "f16").reason == (
+        "only kernel registered for linear/acme/f16 (by zllm-backend-acme); fast kernel unavailable: no compiler")
+    reg.register("linear", "acme", ("f16",), "torch:mm", priority=-1, registered_by="zllm-backend-acme",
+                 batch_invariant=True)
+    assert reg.lookup("linear", "acme", "f16").reason.endswith("(priority -1); fast kernel unavailable: no compiler")
+    assert "unavailable" not in reg.lookup("linear", "acme", "f16", batch_invariant=True).reason
+
+
 def test_lookup_miss_raises_listing_what_is_registered_and_never_falls_back():
     reg = KernelRegistry()
     reg.register("linear", "acme", ("f32",), "torch:matmul")

@@ -7,7 +7,7 @@ from collections import Counter
 
 from zllm.capabilities import CORE_CAPABILITIES, Capability
 from zllm.kernels.registry import KernelRegistry
-from zllm_backend_cpu.kernels import CAPABILITIES, KERNELS
+from zllm_backend_cpu.kernels import CAPABILITIES, GEMV_INVARIANT_KERNELS, GEMV_KERNELS, KERNELS
 
 
 def test_kernels_cover_exactly_core_capabilities():
@@ -25,3 +25,10 @@ def test_every_entry_resolves_and_registers():
         registry.register(op, "cpu", variants, impl, registered_by="zllm-backend-cpu")
     for cap in CORE_CAPABILITIES:
         assert callable(registry.lookup(cap.op, "cpu", cap.variant).fn)
+
+
+def test_native_gemv_rows_serve_declared_capabilities_and_resolve():
+    for op, variants, impl in GEMV_KERNELS + GEMV_INVARIANT_KERNELS:
+        assert {Capability(op, v) for v in variants} <= CAPABILITIES, impl
+        module, _, attr = impl.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), impl

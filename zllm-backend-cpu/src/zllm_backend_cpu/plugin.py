@@ -1,13 +1,21 @@
 """Entry point of the ``zllm-backend-cpu`` distribution (group ``zllm``, name ``cpu``).
 
 Capabilities come from the static kernel table, so reading them imports no kernel code.
+Registering kernels loads the native GEMV library (a ``ctypes`` load of one small shared
+object, no kernel module import) to decide whether its kernels can be registered; priorities
+are in :mod:`zllm_backend_cpu.kernels`.
 """
 
+from collections.abc import Collection
+
 from zllm.plugin_api import BackendInfo, KernelRegistry, hookimpl
-from zllm_backend_cpu.kernels import CAPABILITIES, INVARIANT_AS_IS, INVARIANT_KERNELS, KERNELS
+from zllm_backend_cpu.kernels import (CAPABILITIES, GEMV_INVARIANT_KERNELS, GEMV_KERNELS, INVARIANT_AS_IS,
+                                      INVARIANT_KERNELS, KERNELS)
+from zllm_backend_cpu.kernels.native import unavailable_reason
 
 ZLLM_PLUGIN_API = "1.0"
 BACKEND = "cpu"
+DISTRIBUTION = "zllm-backend-cpu"
 
 
 @hookimpl
@@ -18,16 +26,42 @@ def zllm_backends() -> list[BackendInfo]:
             factory="zllm_backend_cpu.backend:CpuBackend",
             capabilities=CAPABILITIES,
             priority=0,
-            description="torch CPU kernels; f32 compute, weights f32/f16/bf16/Q8_0/Q4_0",
+            description="torch CPU kernels + native GEMV for decode; f32 compute, weights f32/f16/bf16/Q8_0/Q4_0/K-quants",
         )
     ]
 
 
+Rows = list[tuple[str, tuple[str, ...], str]]
+
+
+def _pairs(rows: Rows) -> set[tuple[str, str]]:
+    return {(op, fmt) for op, formats, _ in rows for fmt in formats}
+
+
+def _register(registry: KernelRegistry, rows: Rows, *, priority: int, invariant_ops: Collection[str],
+              noted: Collection[tuple[str, str]] = (), note: str | None = None) -> None:
+    """Register ``rows``; the ``(op, format)`` pairs in ``noted`` carry ``note``."""
+    for op, formats, impl in rows:
+        plain = tuple(f for f in formats if (op, f) not in noted)
+        marked = tuple(f for f in formats if (op, f) in noted)
+        for group, group_note in ((plain, None), (marked, note)):
+            if group:
+                registry.register(op, BACKEND, group, impl, priority=priority, registered_by=DISTRIBUTION,
+                                  batch_invariant=op in invariant_ops, note=group_note)
+
+
 @hookimpl
 def zllm_register_kernels(registry: KernelRegistry) -> None:
-    for op, formats, impl in KERNELS:
-        registry.register(op, BACKEND, formats, impl, registered_by="zllm-backend-cpu",
-                          batch_invariant=op in INVARIANT_AS_IS)
-    for op, formats, impl in INVARIANT_KERNELS:
-        registry.register(op, BACKEND, formats, impl, priority=-1, registered_by="zllm-backend-cpu",
-                          batch_invariant=True)
+    every_op = {op for op, _, _ in KERNELS}
+    reason = unavailable_reason()
+    if reason is None:
+        _register(registry, KERNELS, priority=0, invariant_ops=INVARIANT_AS_IS)
+        _register(registry, INVARIANT_KERNELS, priority=-2, invariant_ops=every_op)
+        _register(registry, GEMV_KERNELS, priority=1, invariant_ops=())
+        _register(registry, GEMV_INVARIANT_KERNELS, priority=-1, invariant_ops=every_op)
+        return
+    # Without the library, the torch kernels of the formats it would serve say why they run.
+    note = f"torch path: native GEMV kernels unavailable: {reason}"
+    _register(registry, KERNELS, priority=0, invariant_ops=INVARIANT_AS_IS, noted=_pairs(GEMV_KERNELS), note=note)
+    _register(registry, INVARIANT_KERNELS, priority=-2, invariant_ops=every_op, noted=_pairs(GEMV_INVARIANT_KERNELS),
+              note=note)

@@ -3,6 +3,19 @@
 The plugin module registers each row with the kernel registry (lazily: nothing here imports
 a kernel module). :data:`CAPABILITIES` is derived from the table, so what the backend
 declares is exactly what it registers.
+
+Priorities of the ``linear`` kernels for one format, highest first (the registry picks the
+highest; batch-invariant mode the highest batch-invariant one):
+
+- 1: native GEMV (:data:`GEMV_KERNELS`) — calls of up to 16 tokens (decode), otherwise the
+  torch kernel; registered only when the native library loads;
+- 0: torch (:data:`KERNELS`);
+- -1: native GEMV, batch-invariant for any ``T`` (:data:`GEMV_INVARIANT_KERNELS`); only when
+  the library loads;
+- -2: torch, batch-invariant (:data:`INVARIANT_KERNELS`).
+
+When the native library is unavailable, the torch kernels of the formats it would serve carry
+the reason as their registry note, so ``zllm run --explain`` says why the torch path runs.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
 #: :mod:`zllm_backend_cpu.kernels.invariant` for why); registered with ``batch_invariant=True``.
 INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "add_rms_norm", "rope", "sample"})
 
-#: Batch-invariant kernels for the other ops, registered at priority -1 with
+#: Batch-invariant kernels for the other ops, registered at priority -2 with
 #: ``batch_invariant=True``: chosen only when ``runtime.batch_invariant`` is on.
 INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", ("f32", "f16", "bf16"), f"{_PKG}.invariant:linear_dense_invariant"),
@@ -42,6 +55,17 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
 ]
 
+#: Native GEMV kernels (:mod:`zllm_backend_cpu.kernels.gemv`), registered at priority 1 when
+#: the library loads.
+GEMV_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
+    ("linear", ("f32", "f16", "bf16", "q8_0", "q4_0"), f"{_PKG}.gemv:linear_gemv"),
+]
+
+#: Batch-invariant native GEMV kernels, registered at priority -1 when the library loads.
+GEMV_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
+    ("linear", ("f32", "f16", "bf16", "q8_0", "q4_0"), f"{_PKG}.gemv:linear_gemv_invariant"),
+]
+
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)
 
-__all__ = ["CAPABILITIES", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "KERNELS"]
+__all__ = ["CAPABILITIES", "GEMV_INVARIANT_KERNELS", "GEMV_KERNELS", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "KERNELS"]

@@ -41,6 +41,7 @@ class KernelEntry:
     priority: int = 0
     registered_by: str = "unknown"
     batch_invariant: bool = False
+    note: str | None = None
     # The imported callable, cached apart from ``impl`` so that ``name`` (shown by
     # ``--explain`` and in replacement logs) stays the reference the plugin registered.
     _resolved: Callable | None = attrs.field(default=None, init=False, repr=False)
@@ -87,6 +88,7 @@ class KernelRegistry:
         replace: bool = False,
         registered_by: str = "unknown",
         batch_invariant: bool = False,
+        note: str | None = None,
     ) -> None:
         """Register ``impl`` for ``op`` on ``backend`` for each format in ``formats``.
 
@@ -94,11 +96,13 @@ class KernelRegistry:
         ``batch_invariant`` declares the kernel batch-invariant (module docstring); such a
         kernel is the only kind chosen in batch-invariant mode, so a backend whose fast
         kernel is batch-dependent registers its invariant one at a lower priority.
+        ``note`` is appended to the reason whenever this kernel is chosen: what the user
+        should know about the choice, e.g. why a faster kernel is not registered.
 
         Raises:
             ValueError: a kernel with the same key and priority exists and ``replace`` is false.
         """
-        entry = KernelEntry(op, backend, tuple(formats), impl, priority, registered_by, batch_invariant)
+        entry = KernelEntry(op, backend, tuple(formats), impl, priority, registered_by, batch_invariant, note)
         for fmt in entry.formats:
             slot = self._entries.setdefault((op, backend, fmt), [])
             clash = [e for e in slot if e.priority == priority]
@@ -156,8 +160,8 @@ class KernelRegistry:
                                      batch_invariant=True)
             entry = slot[0]
             return KernelChoice(entry.resolve(), entry,
-                                f"batch-invariant kernel for {op}/{key_backend}/{fmt} (runtime.batch_invariant; "
-                                f"by {entry.registered_by})")
+                                _with_note(f"batch-invariant kernel for {op}/{key_backend}/{fmt} (runtime.batch_invariant; "
+                                           f"by {entry.registered_by})", entry))
         entry = slot[0]
         if force_reference:
             reason = f"f32 reference forced by config backend.force_reference (instead of backend {backend!r})"
@@ -166,4 +170,8 @@ class KernelRegistry:
         else:
             others = ", ".join(f"{e.name} (priority {e.priority})" for e in slot[1:])
             reason = f"highest priority {entry.priority} for {op}/{backend}/{fmt}; also registered: {others}"
-        return KernelChoice(entry.resolve(), entry, reason)
+        return KernelChoice(entry.resolve(), entry, _with_note(reason, entry))
+
+
+def _with_note(reason: str, entry: KernelEntry) -> str:
+    return reason if entry.note is None else f"{reason}; {entry.note}"

@@ -1,0 +1,44 @@
+"""Build step of zllm-backend-cpu: compiles the native GEMV library (``csrc/gemv.c``) with the
+machine's C compiler into ``zllm_backend_cpu/_gemv.so``; the metadata is in pyproject.toml.
+
+The library is a plain shared object loaded with ctypes (never imported as a Python module),
+so its file name carries no Python ABI tag and the wheel is tagged ``py3-none-<platform>``.
+It is optional: where it cannot be built (no C compiler, not x86-64), the install goes on
+and the backend uses its torch kernels, saying why in ``zllm run --explain``.
+"""
+
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
+
+
+class BuildSharedLibrary(build_ext):
+    """``build_ext`` naming the library ``<package path>/<name>.so``."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        return os.path.join(*fullname.split(".")) + ".so"
+
+
+class PlatformWheel(bdist_wheel):
+    """A wheel tied to the platform (native code) but to no Python version or ABI."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+GEMV = Extension(
+    "zllm_backend_cpu._gemv",
+    sources=["csrc/gemv.c"],
+    # The ISA flags name exactly what the intrinsics need (checked at load time); -mtune
+    # schedules for the machine that builds (and runs) it. No -ffast-math and no
+    # contraction: the reduction order is part of the kernels' contract (see gemv.c).
+    extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp",
+                        "-ffp-contract=off", "-g0", "-std=c11"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+)
+
+setup(ext_modules=[GEMV], cmdclass={"build_ext": BuildSharedLibrary, "bdist_wheel": PlatformWheel})

@@ -1,0 +1,211 @@
+"""Native GEMV kernels (``csrc/gemv.c`` through ``kernels.gemv``) vs the f32 references, their
+batch invariance, the decode dispatch, and what the backend registers with and without them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zllm.domain.linear import linear as ref_linear
+from zllm.kernels.registry import KernelRegistry
+from zllm.weights.formats import QuantizedTensor
+from zllm_backend_cpu import plugin
+from zllm_backend_cpu.kernels import gemv as kernels
+from zllm_backend_cpu.kernels import linear as torch_kernels
+from zllm_backend_cpu.kernels.native import LIBRARY_PATH, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"native GEMV library: {unavailable_reason()}")
+
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0")
+DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+
+
+def make_weight(fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor | QuantizedTensor:
+    """A random weight of ``fmt`` with O(1/sqrt(K)) entries, like a trained layer."""
+    if fmt in DENSE:
+        return (torch.randn(n, k, generator=g) / k**0.5).to(DENSE[fmt])
+    raw = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
+    q_range = 127 if fmt == "q8_0" else 8
+    raw[..., :2] = (torch.rand(n, k // 32, 1, generator=g) / (q_range * k**0.5)).half().view(torch.uint8)
+    return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def strided_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a non-contiguous view: rows 2 apart in a wider buffer."""
+    t, k = x.shape
+    buf = torch.full((2 * t, k + 5), float("nan"))
+    buf[::2, :k] = x
+    return buf[::2, :k]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    t=st.sampled_from([1, 1, 2, 3, 4, 5, 8, 9, 13]),
+    # rows: 1, odd, around the 4-row tiles, and (with small K) past one 64 KB work item
+    n=st.one_of(st.integers(1, 70), st.sampled_from([511, 512, 513, 1029])),
+    k_blocks=st.sampled_from([1, 2, 3, 5, 9, 40]),
+    k_extra=st.sampled_from([0, 0, 1, 7, 8, 15]),  # dense only: K need not be a multiple of 32
+    bias=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_matches_reference(fmt, t, n, k_blocks, k_extra, bias, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * k_blocks + (k_extra if fmt in DENSE else 0)
+    w = make_weight(fmt, n, k, g)
+    x = torch.randn(t, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = kernels.gemv(strided_rows(x) if strided else x, w, b)
+    assert got.shape == (t, n) and got.dtype == torch.float32 and got.is_contiguous()
+    # the same f32 products of exactly converted weights, another summation order
+    torch.testing.assert_close(got, ref_linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("k", [1, 3, 8, 9, 24, 31])
+def test_gemv_with_fewer_in_features_than_one_vector_chunk(fmt, k):
+    g = torch.Generator().manual_seed(k)
+    w, x, b = make_weight(fmt, 9, k, g), torch.randn(3, k, generator=g), torch.randn(9, generator=g)
+    torch.testing.assert_close(kernels.gemv(x, w, b), ref_linear(x, w, b), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_gemv_on_blocks_quantized_by_the_gguf_package(fmt):
+    g = torch.Generator().manual_seed(1)
+    n, k = 37, 32 * 7
+    w32 = torch.randn(n, k, generator=g).numpy()
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    blocks = gguf.quants.quantize(w32, qtype)  # uint8 [N, K / 32 * block bytes]
+    w = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, (n, k))
+    decoded = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, qtype)))  # f32 [N, K]
+    x = torch.randn(3, k, generator=g)
+    torch.testing.assert_close(kernels.gemv(x, w, None), x @ decoded.t(), atol=1e-4, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), n=st.sampled_from([1, 7, 64, 333, 1500]), k_blocks=st.sampled_from([1, 3, 24]),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_gemv_rows_are_bit_identical_for_every_row_count_position_and_thread_count(fmt, n, k_blocks, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * k_blocks
+    w = make_weight(fmt, n, k, g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(24, k, generator=g)
+    with threads(1):
+        solo = torch.cat([kernels.linear_gemv_invariant(x[i:i + 1], w, b) for i in range(24)])  # [24, N]
+    for t in (1, 2, 3, 4, 5, 7, 8, 9, 16, 24):
+        for off in range(0, 24 - t + 1, 5):
+            assert torch.equal(kernels.linear_gemv_invariant(x[off:off + t], w, b), solo[off:off + t]), (t, off)
+    noisy = x.clone()
+    noisy[1:] = torch.randn(23, k, generator=g) * 1e3
+    assert torch.equal(kernels.linear_gemv_invariant(noisy[:6], w, b)[0], solo[0])
+    with threads(3):  # more threads than cores: more regions of the split than running threads
+        assert torch.equal(kernels.linear_gemv_invariant(x, w, b), solo)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_gemv_runs_native_up_to_16_tokens_and_the_torch_kernel_above(fmt):
+    g = torch.Generator().manual_seed(2)
+    w = make_weight(fmt, 45, 96, g)
+    torch_kernel = torch_kernels.linear_dense if fmt in DENSE else torch_kernels.linear_quant
+    for t in (1, 16, 17, 30):
+        x = torch.randn(t, 96, generator=g)
+        expected = kernels.gemv(x, w, None) if t <= kernels.GEMV_MAX_TOKENS else torch_kernel(x, w, None)
+        assert torch.equal(kernels.linear_gemv(x, w, None), expected), t
+
+
+def test_gemv_rejects_a_format_it_has_not():
+    w = QuantizedTensor(torch.zeros(2, 84, dtype=torch.uint8), "q2_k", (2, 256))
+    with pytest.raises(ValueError, match="no format 'q2_k'.*q8_0"):
+        kernels.gemv(torch.zeros(1, 256), w, None)
+
+
+def test_nan_scales_and_activations_propagate():
+    g = torch.Generator().manual_seed(3)
+    w = make_weight("q8_0", 8, 64, g)
+    blocks = w.data.view(8, 2, 34)
+    blocks[3, 1, :2] = torch.tensor([0x7E00], dtype=torch.int16).view(torch.uint8)  # f16 NaN scale in row 3
+    x = torch.randn(2, 64, generator=g)
+    x[1, 5] = float("nan")
+    got = kernels.gemv(x, w, None)
+    assert torch.equal(got.isnan(), torch.tensor([[False] * 3 + [True] + [False] * 4, [True] * 8]))
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def test_native_kernels_take_decode_and_batch_invariant_linear_when_the_library_loads():
+    reg = KernelRegistry()
+    plugin.zllm_register_kernels(reg)
+    for fmt in FORMATS:
+        choice = reg.lookup("linear", "cpu", fmt)
+        assert choice.entry.name == "zllm_backend_cpu.kernels.gemv:linear_gemv" and choice.entry.priority == 1
+        assert "unavailable" not in choice.reason
+    for fmt in FORMATS:
+        choice = reg.lookup("linear", "cpu", fmt, batch_invariant=True)
+        assert choice.entry.name == "zllm_backend_cpu.kernels.gemv:linear_gemv_invariant"
+    assert reg.lookup("linear", "cpu", "q4_k").entry.name == "zllm_backend_cpu.kernels.linear:linear_quant"
+
+
+_WITHOUT_LIBRARY = """
+import torch
+from zllm.kernels.registry import KernelRegistry
+import zllm_backend_cpu
+from zllm_backend_cpu import plugin
+from zllm_backend_cpu.kernels.gemv import gemv
+
+print("FROM", zllm_backend_cpu.__file__)
+reg = KernelRegistry()
+plugin.zllm_register_kernels(reg)
+for fmt, invariant in (("bf16", False), ("q8_0", False), ("f32", True), ("f32", False), ("q4_k", False)):
+    choice = reg.lookup("linear", "cpu", fmt, batch_invariant=invariant)
+    print("CHOICE", fmt, invariant, choice.entry.name, "|", choice.reason)
+try:
+    gemv(torch.zeros(1, 32), torch.zeros(2, 32), None)
+except RuntimeError as e:
+    print("ERROR", e)
+"""
+
+
+def test_without_the_library_the_torch_kernels_run_and_say_why(tmp_path):
+    """An install whose build had no compiler: the package without ``_gemv.so``."""
+    pkg = tmp_path / "zllm_backend_cpu"
+    shutil.copytree(LIBRARY_PATH.parent, pkg, ignore=shutil.ignore_patterns("_gemv.so", "__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"FROM {pkg / '__init__.py'}"
+    choices = {tuple(line.split()[1:3]): line.split(" ", 3)[3] for line in lines if line.startswith("CHOICE")}
+    why = "torch path: native GEMV kernels unavailable: _gemv.so was not built at install time"
+    assert choices[("bf16", "False")].startswith("zllm_backend_cpu.kernels.linear:linear_dense |")
+    assert choices[("q8_0", "False")].startswith("zllm_backend_cpu.kernels.linear:linear_quant |")
+    assert choices[("f32", "True")].startswith("zllm_backend_cpu.kernels.invariant:linear_dense_invariant |")
+    for key in (("bf16", "False"), ("q8_0", "False"), ("f32", "True"), ("f32", "False")):
+        assert why in choices[key], choices[key]
+    # formats the native kernels would not serve anyway carry no note
+    assert "unavailable" not in choices[("q4_k", "False")]
+    assert any(line.startswith("ERROR native GEMV kernels unavailable: _gemv.so was not built") for line in lines)
