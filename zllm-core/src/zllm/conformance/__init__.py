@@ -31,6 +31,8 @@ from zllm.spec.errors import ConfigError, PluginError
 __all__ = ["CaseResult", "ConformanceReport", "E2EResult", "run_conformance"]
 
 DTYPES = ("auto", "f32", "f16", "bf16")
+#: ``torch.Generator.manual_seed`` takes 64 bits; the range config ``generation.seed`` allows.
+SEED_LIMIT = 2**64
 
 
 def run_conformance(
@@ -50,14 +52,15 @@ def run_conformance(
     """Check backend ``backend`` against the f32 references.
 
     Args:
-        backend: the backend's name as published by its plugin (``cpu``, ``cuda`` ...).
+        backend: the backend's name as published by its plugin (``cpu``, ``cuda`` ...), or
+            ``auto``: the highest-priority backend that can run here (the report names it).
         device: passed to the backend's constructor, ``cls(threads=threads, device=device)``;
             None constructs it as ``cls(threads=threads)`` (its default device).
         threads: passed to the backend's constructor.
         ops: op names whose kernels are checked (None = all); given, the end-to-end check
             is not run (it needs every op).
         quick: fewer cases per op.
-        seed: seeds every generated input, weight and tiny checkpoint.
+        seed: seeds every generated input, weight and tiny checkpoint; in ``[0, 2**64)``.
         dtype: load dtype of dense model weights end to end (``auto`` keeps the stored one).
         models: extra checkpoints (HF directories or GGUF files) for the end-to-end check.
         host: a plugin host (default: discover installed plugins, honouring ``ZLLM_PLUGINS``).
@@ -67,19 +70,26 @@ def run_conformance(
         The report; ``report.passed`` is the verdict.
 
     Raises:
-        PluginError: no loaded plugin provides ``backend`` (lists the loaded ones), or its
-            class cannot be imported or constructed.
+        PluginError: no loaded plugin provides ``backend`` (lists the loaded ones), its
+            class cannot be imported or constructed, or the instance lacks ``device`` or
+            ``place`` (the Backend protocol).
         BackendUnavailable: the backend cannot run here; the message is its own reason.
-        ConfigError: ``ops`` names an op the backend registers no kernel for, the backend
-            rejects ``device``, ``dtype`` is unknown, or a ``models`` path does not exist.
+        ConfigError: ``ops`` names no op or an op the backend registers no kernel for, the
+            backend rejects ``device``, ``dtype`` is unknown, ``seed`` is outside
+            ``[0, 2**64)``, or a ``models`` path is empty or does not exist.
     """
     from zllm.conformance.e2e import ModelSource, check_model, default_models
     from zllm.conformance.kernels import backend_entries, check_kernels
     from zllm.engine.engine import plugin_allowlist_from_env
+    from zllm.engine.loader import check_backend_instance
     from zllm.plugins.selection import select_backend
 
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ConfigError("--seed", f"expected an integer in [0, 2**64), got {seed!r}")
+    if any(not str(m).strip() for m in models):  # Path("") is the current directory: never what was meant
+        raise ConfigError("--model", "needs a path (an HF checkpoint directory or a GGUF file)")
     extra = [Path(m) for m in models]
     for path in extra:
         if not path.exists():
@@ -88,13 +98,17 @@ def run_conformance(
     # Needing no capability, this raises only for a backend that is not installed or cannot run here.
     choice = select_backend(host, backend, frozenset(), family="")
     info = choice.info
-    known_ops = {e.op for e in backend_entries(host.kernels, backend)} | {c.op for c in info.capabilities}
-    op_filter = _op_filter(ops, known_ops, backend)
-    instance = _construct(choice.cls, backend, threads, device)
+    name = info.name  # what ``auto`` resolved to
+    known_ops = {e.op for e in backend_entries(host.kernels, name)} | {c.op for c in info.capabilities}
+    op_filter = _op_filter(ops, known_ops, name)
+    instance = _construct(choice.cls, name, threads, device)
+    check_backend_instance(instance, name)
 
     settings: dict[str, Any] = {"seed": seed, "quick": quick, "ops": sorted(op_filter) if op_filter else "all",
                                 "dtype": dtype, "threads": threads, "device": device}
-    report = ConformanceReport(backend, str(instance.device), settings, _environment(host, backend))
+    if name != backend:
+        settings["backend"] = f"{backend} (chose {name}: {choice.reason})"
+    report = ConformanceReport(name, str(instance.device), settings, _environment(host, name))
     report.kernels = check_kernels(host.kernels, info, instance, seed=seed, quick=quick, ops=op_filter,
                                    on_result=on_kernel)
     if op_filter is not None:

@@ -70,8 +70,10 @@ class Case:
             ``backend.place()``; the others are activations and metadata, moved to
             ``backend.device`` as the runtime does.
         written: indexes of ``args`` the op writes in place (the KV caches), compared after
-            the call as well as the outputs.
+            the call as well as the outputs; every other input must come back unchanged.
         atol, rtol: an element passes when ``|out - ref| <= atol + rtol * |ref|``.
+        distribution: a ``sample`` case whose rows are all one distribution (same logits,
+            same settings, one seed each), judged by the frequency of each drawn token.
     """
 
     op: str
@@ -82,6 +84,7 @@ class Case:
     written: tuple[int, ...] = ()
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
+    distribution: bool = False
 
 
 class NoCases(Exception):
@@ -407,7 +410,8 @@ def _sample_rows(g: torch.Generator, vocab: int, n_rows: int, seed: int) -> list
 
 def sample_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
     """``sample``: greedy rows (with ties, which go to the lowest index), stochastic rows with
-    top-k / top-p / min-p / penalties, one row and many rows, odd vocabularies."""
+    top-k / top-p / min-p / penalties, one row and many rows, odd vocabularies; then the
+    distribution case (:func:`sample_distribution_case`)."""
     _only(variant, "sample", ("f32",))
     shapes = [(1, 50, 2.0), (10, 257, 3.0), (23, 1000, 1.0)]  # (S, V, logit scale)
     if quick:
@@ -418,7 +422,28 @@ def sample_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
         logits[0, 7] = logits[0, 11] = logits[0].max() + 1.0  # an exact tie for the top token of row 0
         rows = _sample_rows(g, vocab, n_rows, seed=i)
         cases.append(Case("sample", variant, f"S={n_rows} V={vocab} |logits|~{scale:g}", (logits, rows)))
-    return cases
+    return cases + [sample_distribution_case(variant)]
+
+
+#: Rows of the distribution case: each token's frequency then lies within 0.1 of its
+#: probability except with probability < 2 V exp(-2 * 1024 * 0.1**2) ~ 2e-8 (Hoeffding).
+DISTRIBUTION_ROWS = 1024
+DISTRIBUTION_TOLERANCE = 0.1
+DISTRIBUTION_LOGITS = (2.0, 1.5, 1.0, 0.5, 0.0, -1.0)
+DISTRIBUTION_TEMPERATURE = 0.5
+
+
+def sample_distribution_case(variant: str) -> Case:
+    """``sample``: :data:`DISTRIBUTION_ROWS` copies of one row of logits at temperature
+    :data:`DISTRIBUTION_TEMPERATURE`, each drawn with its own seed. The top token has
+    probability 0.64; a kernel that always takes the argmax (1.0), ignores the temperature
+    (0.42) or multiplies by it (0.29) is off by more than the 0.1 the check allows, which
+    the allowed-token and same-seed checks cannot see."""
+    _only(variant, "sample", ("f32",))
+    logits = torch.tensor(DISTRIBUTION_LOGITS, dtype=torch.float32).repeat(DISTRIBUTION_ROWS, 1)  # [S, V]
+    rows = [SampleRowSpec(DISTRIBUTION_TEMPERATURE, seed=10_000 + i) for i in range(DISTRIBUTION_ROWS)]
+    label = f"distribution S={DISTRIBUTION_ROWS} V={len(DISTRIBUTION_LOGITS)} temperature={DISTRIBUTION_TEMPERATURE:g}"
+    return Case("sample", variant, label, (logits, rows), distribution=True)
 
 
 # ---------------------------------------------------------------------------- registry

@@ -35,13 +35,13 @@ import torch
 from zllm.capabilities import missing_capabilities
 from zllm.capabilities.backend import BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
-from zllm.conformance.kernels import compare, device_unsupported, place_weight
+from zllm.conformance.kernels import compare, device_unsupported, place_weight, where_raised
 from zllm.conformance.report import E2EResult
 from zllm.engine.loader import resolve_family
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
-from zllm.spec.errors import UnknownArchitectureError, ZllmError
+from zllm.spec.errors import TensorError, UnknownArchitectureError, ZllmError
 from zllm.weights import load_weights, open_checkpoint
 from zllm.weights.formats import DTYPE_OF_FORMAT
 
@@ -212,8 +212,18 @@ def check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Model
     Returns:
         The result; a model that is not found, needs a family that is not installed, needs
         capabilities the backend does not declare (or its device cannot run) is ``skipped``
-        with the reason. A checkpoint that fails to open or load is ``failed`` with the error.
+        with the reason. A checkpoint that fails to open or load is ``failed`` with the error,
+        and so is one that makes the family's or the backend's code raise: this never raises.
     """
+    try:
+        return _check_model(host, info, backend, source, dtype, seed, new_tokens)
+    except Exception as exc:  # plugin code (family, kernels) failing is that model's result, not a crash
+        return E2EResult(source.name, source.shown or str(source.path), "failed",
+                         detail=f"raised {type(exc).__name__}: {exc}{where_raised(exc)}")
+
+
+def _check_model(host: PluginHost, info: BackendInfo, backend: Any, source: ModelSource, dtype: str, seed: int,
+                 new_tokens: int) -> E2EResult:
     if source.path is None:
         return E2EResult(source.name, None, "skipped", detail=source.missing_reason)
     path = source.shown or str(source.path)
@@ -230,6 +240,9 @@ def check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Model
         spec = family.parse_config(ckpt.config, str(source.path))
         specs = family.tensor_specs(spec)
         present = set(ckpt.tensor_names())
+        missing = next((n for n, t in specs.items() if n not in present and not t.optional), None)
+        if missing is not None:  # as the engine's loader checks, before asking the family for capabilities
+            raise TensorError(str(source.path), missing, "missing from the checkpoint")
         formats = {n: _loaded_format(ckpt.tensor_shape_format(n)[1], dtype) for n in specs if n in present}
     except ZllmError as exc:
         return E2EResult(source.name, path, "failed", detail=f"checkpoint rejected: {exc}")

@@ -4,8 +4,10 @@ For each registry entry of the backend (lower-priority ones included, e.g. batch
 kernels) and each variant it is registered for, the cases of :mod:`zllm.conformance.cases`
 are run twice: on the backend (inputs moved there as the runtime moves them) and through
 the reference registered under ``reference`` on CPU copies. Outputs, and the KV caches an
-attention kernel writes, are compared element-wise; ``sample`` is compared by its contract
-instead (greedy rows equal, drawn tokens allowed, seeded rows reproducible).
+attention kernel writes, are compared element-wise, and every other argument must come back
+unchanged; ``sample`` is compared by its contract instead (greedy rows equal, drawn tokens
+allowed, seeded rows reproducible, token frequencies over many seeds following the
+distribution).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from zllm.capabilities import Capability
 from zllm.capabilities.backend import BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
-from zllm.conformance.cases import Case, NoCases, SampleRowSpec, cases_for
+from zllm.conformance.cases import DISTRIBUTION_TOLERANCE, Case, NoCases, SampleRowSpec, cases_for
 from zllm.conformance.report import CaseResult
 from zllm.kernels.registry import KernelEntry, KernelRegistry
 from zllm.weights.formats import QuantizedTensor
@@ -72,8 +74,9 @@ def backend_args(case: Case, backend: Any, seed_offset: int = 0) -> list:
         elif isinstance(a, torch.Tensor):
             out.append(_to_device(a, device))
         elif isinstance(a, AttentionMetadata):
-            out.append(AttentionMetadata(a.slot_mapping.to(device), a.block_tables.to(device), a.query_lens,
-                                         a.context_lens, a.scale))
+            # Copies even on the CPU: a kernel that writes the metadata must not change the case.
+            out.append(AttentionMetadata(a.slot_mapping.to(device, copy=True), a.block_tables.to(device, copy=True),
+                                         a.query_lens, a.context_lens, a.scale))
         elif isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
             out.append([_sampling_row(r, device, seed_offset) for r in a])
         else:
@@ -97,6 +100,54 @@ def reference_args(case: Case, seed_offset: int = 0) -> list:
 
 
 # ---------------------------------------------------------------------------- comparing
+
+#: Argument names of each op, as in :mod:`zllm.capabilities.ops`, for messages.
+ARG_NAMES = {
+    "embedding": ("weight", "ids"),
+    "linear": ("x", "weight", "bias"),
+    "rms_norm": ("x", "weight", "eps"),
+    "add_rms_norm": ("x", "residual", "weight", "eps"),
+    "rope": ("x", "cos", "sin"),
+    "attention": ("q", "k", "v", "k_cache", "v_cache", "meta"),
+    "attention_sliding": ("q", "k", "v", "k_cache", "v_cache", "meta", "window"),
+    "silu_mul": ("gate", "up"),
+    "sample": ("logits", "params"),
+}
+
+
+def _same_values(original: torch.Tensor, given: torch.Tensor) -> bool:
+    """``given`` (any device) holds exactly ``original``'s values (NaN equals NaN)."""
+    given = given.detach().cpu()
+    if given.shape != original.shape or given.dtype != original.dtype:
+        return False
+    same = given == original
+    if original.is_floating_point():
+        same |= torch.isnan(given) & torch.isnan(original)
+    return bool(same.all())
+
+
+def changed_inputs(case: Case, given: list) -> list[str]:
+    """Names of the case's inputs that ``given`` (the arguments the kernel received, after the
+    call) no longer equals, leaving out those the op writes (``case.written``). A kernel may
+    write only what its op's signature says it writes: the runtime reuses activations (the
+    residual stream), weights and metadata after the call."""
+    names = ARG_NAMES.get(case.op, ())
+    changed = []
+    for i, (original, arg) in enumerate(zip(case.args, given)):
+        if i in case.written:
+            continue
+        if isinstance(original, torch.Tensor) and isinstance(arg, torch.Tensor):
+            pairs = [(original, arg)]
+        elif isinstance(original, QuantizedTensor) and isinstance(arg, QuantizedTensor):
+            pairs = [(original.data, arg.data)]
+        elif isinstance(original, AttentionMetadata) and isinstance(arg, AttentionMetadata):
+            pairs = [(original.slot_mapping, arg.slot_mapping), (original.block_tables, arg.block_tables)]
+        else:
+            continue
+        if not all(_same_values(o, a) for o, a in pairs):
+            changed.append(names[i] if i < len(names) else f"argument {i}")
+    return changed
+
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:
@@ -181,14 +232,21 @@ def allowed_tokens(logits: torch.Tensor, row: SampleRowSpec) -> set[int]:
 def check_sample(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[bool, str]:
     """The ``sample`` contract on one case, over :data:`SAMPLE_DRAWS` seeds: greedy rows equal
     the reference exactly; each drawn token is allowed by top-k / top-p / min-p; the same
-    seeds give the same tokens twice on the backend. Returns ``(passed, detail)``."""
+    seeds give the same tokens twice on the backend; the logits come back unchanged. A
+    distribution case goes to :func:`check_sample_distribution`. Returns ``(passed, detail)``."""
+    if case.distribution:
+        return check_sample_distribution(fn, case, backend)
     logits, specs = case.args
     greedy = [i for i, r in enumerate(specs) if r.temperature == 0.0]
     allowed = [allowed_tokens(logits[i], r) for i, r in enumerate(specs)]
     problems: list[str] = []
     for draw in range(SAMPLE_DRAWS):
-        first, second = (_tokens(fn(*backend_args(case, backend, draw)), len(specs)) for _ in range(2))
+        args = backend_args(case, backend, draw)
+        first = _tokens(fn(*args), len(specs))
+        second = _tokens(fn(*backend_args(case, backend, draw)), len(specs))
         ref = ref_fn(*reference_args(case, draw)).tolist()
+        if draw == 0 and changed_inputs(case, args):
+            problems.append("changed its input logits (a kernel writes only its outputs)")
         for i in range(len(specs)):
             if i in greedy and first[i] != ref[i]:
                 problems.append(f"greedy row {i}: token {first[i]}, reference {ref[i]}")
@@ -202,6 +260,28 @@ def check_sample(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tu
     n_random = len(specs) - len(greedy)
     return True, (f"{SAMPLE_DRAWS} seeds: {len(greedy)} greedy rows equal the reference, {n_random} drawn rows "
                   f"allowed by their settings, same seed -> same tokens")
+
+
+def check_sample_distribution(fn: Callable, case: Case, backend: Any) -> tuple[bool, str]:
+    """A distribution case (:func:`~zllm.conformance.cases.sample_distribution_case`): one
+    draw per row, each row its own seed; every token's frequency must lie within
+    :data:`~zllm.conformance.cases.DISTRIBUTION_TOLERANCE` of its probability
+    ``softmax(logits / temperature)`` (computed in f64). Returns ``(passed, detail)``."""
+    logits, specs = case.args
+    n, vocab = logits.shape
+    tokens = torch.tensor(_tokens(fn(*backend_args(case, backend)), n), dtype=torch.int64)
+    outside = tokens[(tokens < 0) | (tokens >= vocab)]
+    if outside.numel():
+        return False, f"drew token {int(outside[0])}, outside the vocabulary of {vocab}"
+    probs = torch.softmax(logits[0].double() / specs[0].temperature, dim=-1)
+    freqs = torch.bincount(tokens, minlength=vocab).double() / n
+    worst = int((freqs - probs).abs().argmax())
+    summary = (f"token {worst} drawn at frequency {float(freqs[worst]):.3f}, probability {float(probs[worst]):.3f} "
+               f"(temperature {specs[0].temperature:g}, {n} seeds)")
+    if abs(float(freqs[worst] - probs[worst])) > DISTRIBUTION_TOLERANCE:
+        return False, (f"drawn tokens do not follow softmax(logits / temperature): {summary}, off by more than "
+                       f"{DISTRIBUTION_TOLERANCE:g}")
+    return True, f"every token's frequency within {DISTRIBUTION_TOLERANCE:g} of its probability; worst: {summary}"
 
 
 def _tokens(result: Any, n: int) -> list[int]:
@@ -222,7 +302,8 @@ def _settings(r: SampleRowSpec) -> str:
 
 def run_case(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[bool, float | None, float | None, str]:
     """One case on the kernel and on the reference: ``(passed, max abs err, max rel err, detail)``.
-    An exception from the kernel is a failure whose detail names it."""
+    An exception from the kernel is a failure whose detail names it; so is an argument other
+    than the KV caches an attention kernel writes (:func:`changed_inputs`) changed by the call."""
     try:
         if case.op == "sample":
             passed, detail = check_sample(fn, ref_fn, case, backend)
@@ -232,17 +313,25 @@ def run_case(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[
         devices = [o.device if isinstance(o, torch.Tensor) else None for o in outs]
         # Copying back inside the try: an asynchronous device kernel reports its errors here.
         outs = [o.detach().cpu() if isinstance(o, torch.Tensor) else o for o in outs]
-    except Exception as exc:  # a kernel failing is a result to report, not a crash of the kit
-        return False, math.inf, math.inf, f"raised {type(exc).__name__}: {exc}".strip() + _where(exc)
+        changed = changed_inputs(case, dev_args)
+    # A kernel failing is a result to report, not a crash of the kit; SystemExit included
+    # (a native extension may call exit), KeyboardInterrupt still stops the run.
+    except (Exception, SystemExit) as exc:
+        return False, math.inf, math.inf, f"raised {type(exc).__name__}: {exc}".strip() + where_raised(exc)
     ref_args = reference_args(case)
     refs = _tensors(ref_fn(*ref_args)) + [ref_args[i] for i in case.written]
-    passed, max_abs, max_rel, detail = compare(outs, refs, case.atol, case.rtol, devices, backend.device)
+    passed, max_abs, max_rel, detail = compare(outs, refs, case.atol, case.rtol, devices, torch.device(backend.device))
     if case.written and not passed:
         detail = f"(outputs: {len(refs) - len(case.written)}, then the written KV caches) {detail}"
+    if changed:
+        wrote = (f"changed its input{'s' if len(changed) > 1 else ''} {', '.join(changed)} (a kernel writes only "
+                 f"its outputs and, for attention, the KV caches)")
+        passed, detail = False, wrote + (f"; {detail}" if detail else "")
     return passed, max_abs, max_rel, detail
 
 
-def _where(exc: Exception) -> str:
+def where_raised(exc: BaseException) -> str:
+    """`` (at FILE:LINE)`` of the innermost frame ``exc`` was raised in, or ``""``."""
     frames = traceback.extract_tb(exc.__traceback__)
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
@@ -302,9 +391,14 @@ def check_kernels(registry: KernelRegistry, info: BackendInfo, backend: Any, *, 
 
 def device_unsupported(backend: Any) -> dict[str, str]:
     """``op[variant]`` -> reason, for declared capabilities the backend instance says its device
-    cannot run (the optional ``unsupported_capabilities()`` of the Backend protocol)."""
-    method = getattr(backend, "unsupported_capabilities", None)
-    return dict(method()) if method is not None else {}
+    cannot run (the optional ``unsupported_capabilities()`` of the Backend protocol).
+
+    Raises:
+        PluginError: ``unsupported_capabilities()`` raised or returned no mapping.
+    """
+    from zllm.engine.loader import device_unsupported_capabilities
+
+    return device_unsupported_capabilities(backend)
 
 
 def _check_entry_variant(registry: KernelRegistry, entry: KernelEntry, variant: str, backend: Any,

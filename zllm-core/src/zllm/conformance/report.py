@@ -127,7 +127,7 @@ class ConformanceReport:
     def failures(self) -> list[str]:
         """One line per failing kernel case and per failing model, naming it."""
         lines = [f"FAIL kernel {r.title} [{r.case}]: {r.detail}" for r in self.kernels if r.failed]
-        lines += [f"FAIL e2e {r.model} ({r.path}): {r.detail}" for r in self.e2e if r.status == "failed"]
+        lines += [f"FAIL e2e {r.model} {_parenthesised(r.path)}: {r.detail}" for r in self.e2e if r.status == "failed"]
         return lines
 
     def kernel_summary(self) -> list[dict[str, Any]]:
@@ -213,8 +213,8 @@ class ConformanceReport:
     def write(self, path: str | Path) -> tuple[Path, Path]:
         """Write the JSON and Markdown reports; returns their paths.
 
-        ``FILE.json`` gives ``FILE.json`` and ``FILE.md``; any other ``FILE`` gives
-        ``FILE.json`` and ``FILE.md`` beside it.
+        ``FILE.json`` or ``FILE.md`` gives ``FILE.json`` and ``FILE.md``; any other ``FILE``
+        gives ``FILE.json`` and ``FILE.md`` beside it.
 
         Raises:
             OSError: a file cannot be written.
@@ -226,11 +226,20 @@ class ConformanceReport:
 
 
 def report_paths(path: str | Path) -> tuple[Path, Path]:
-    """``(json path, markdown path)`` for ``--report FILE``."""
+    """``(json path, markdown path)`` for ``--report FILE``: a ``.json`` or ``.md`` suffix
+    (any case) is replaced, any other name gets both appended."""
     path = Path(path)
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         return path, path.with_suffix(".md")
+    if path.suffix.lower() == ".md":
+        return path.with_suffix(".json"), path
     return Path(f"{path}.json"), Path(f"{path}.md")
+
+
+def _parenthesised(path: str | None) -> str:
+    """``(path)``, once: a generated model's shown path is already in parentheses."""
+    text = str(path)
+    return text if text.startswith("(") and text.endswith(")") else f"({text})"
 
 
 def _worst(values) -> float | None:

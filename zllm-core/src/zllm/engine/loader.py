@@ -21,7 +21,8 @@ from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
 from zllm.spec.config import ZllmConfig
-from zllm.spec.errors import CapabilityError, CheckpointError, ConfigError, TensorError, UnknownArchitectureError
+from zllm.spec.errors import (CapabilityError, CheckpointError, ConfigError, PluginError, TensorError,
+                              UnknownArchitectureError)
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
 
@@ -109,6 +110,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     needed = family.required_capabilities(spec, formats)
     choice = select_backend(host, cfg.backend.name, needed, info.name)
     backend = choice.cls(threads=cfg.backend.threads)
+    check_backend_instance(backend, choice.info.name)
     check_device_capabilities(backend, needed, choice.info.name, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
                    batch_invariant=cfg.runtime.batch_invariant)
@@ -127,6 +129,21 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                        ctx, time.perf_counter() - t0)
 
 
+def check_backend_instance(backend: object, name: str) -> None:
+    """Reject a constructed backend that lacks what the runtime uses: a ``device`` attribute
+    and a ``place`` method (the :class:`~zllm.capabilities.backend.Backend` protocol).
+
+    Raises:
+        PluginError: names the backend, its class and what is missing.
+    """
+    missing = [m for m, ok in (("'device' attribute", getattr(backend, "device", None) is not None),
+                               ("place(tensor) method", callable(getattr(backend, "place", None)))) if not ok]
+    if missing:
+        raise PluginError(f"backend {name!r} ({type(backend).__module__}:{type(backend).__qualname__}) has no "
+                          f"{' and no '.join(missing)}; a backend instance needs 'device' (the torch device its "
+                          f"kernels run on) and place(tensor) (puts a weight there)")
+
+
 def check_device_capabilities(backend: object, needed: frozenset[Capability], backend_name: str, family: str) -> None:
     """Reject capabilities the backend declares but this device cannot run.
 
@@ -137,11 +154,28 @@ def check_device_capabilities(backend: object, needed: frozenset[Capability], ba
         CapabilityError: ``needed`` holds some of them; names each, the backend, the family
             and the device's reasons.
     """
-    report = getattr(backend, "unsupported_capabilities", None)
-    unsupported = report() if report is not None else {}
+    unsupported = device_unsupported_capabilities(backend)
     missing = {str(c): unsupported[str(c)] for c in needed if str(c) in unsupported}
     if missing:
         raise CapabilityError(list(missing), backend_name, family, reasons=missing)
+
+
+def device_unsupported_capabilities(backend: object) -> dict[str, str]:
+    """The backend instance's optional ``unsupported_capabilities()``: ``op[variant]`` ->
+    reason (``{}`` for a backend without the method).
+
+    Raises:
+        PluginError: the method raised or returned something other than a mapping; names
+            the backend's class and the error.
+    """
+    report = getattr(backend, "unsupported_capabilities", None)
+    if report is None:
+        return {}
+    try:
+        return {str(cap): str(why) for cap, why in dict(report()).items()}
+    except Exception as exc:  # a device query that fails is the plugin's error, reported as one
+        cls = f"{type(backend).__module__}:{type(backend).__qualname__}"
+        raise PluginError(f"{cls}.unsupported_capabilities() failed: {type(exc).__name__}: {exc}") from None
 
 
 def _nbytes(ckpt: Checkpoint, name: str) -> int:

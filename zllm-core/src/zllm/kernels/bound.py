@@ -19,7 +19,7 @@ import torch
 
 from zllm.capabilities import Capability
 from zllm.kernels.registry import KernelChoice, KernelRegistry
-from zllm.spec.errors import ConfigError
+from zllm.spec.errors import ConfigError, PluginError, ZllmError
 from zllm.weights.formats import format_of
 
 WEIGHT_OPS = ("embedding", "linear")
@@ -49,6 +49,7 @@ class BoundOps:
         ConfigError: ``force_reference`` names an op the model does not use.
         KernelNotFound: a needed capability has no kernel on the backend (with
             ``batch_invariant``: no batch-invariant kernel).
+        PluginError: the chosen kernel's ``module:function`` fails to import.
     """
 
     def __init__(self, registry: KernelRegistry, backend: str, needed: Iterable[Capability], force_reference: Iterable[str] = (),
@@ -63,8 +64,7 @@ class BoundOps:
                 f"unknown op(s) {', '.join(unknown)}; this model's ops are {', '.join(sorted(ops_used))}",
             )
         self.choices: dict[Capability, KernelChoice] = {
-            c: registry.lookup(c.op, backend, c.variant, force_reference=c.op in forced, batch_invariant=batch_invariant)
-            for c in needed
+            c: _lookup(registry, c, backend, c.op in forced, batch_invariant) for c in needed
         }
         self._by_format: dict[str, dict[str, Callable]] = {op: {} for op in WEIGHT_OPS}
         for cap, choice in self.choices.items():
@@ -81,3 +81,17 @@ class BoundOps:
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._by_format["linear"][format_of(weight)](x, weight, bias)
+
+
+def _lookup(registry: KernelRegistry, cap: Capability, backend: str, force_reference: bool,
+            batch_invariant: bool) -> KernelChoice:
+    """``registry.lookup`` for one capability; a kernel whose lazy reference fails to import is
+    a plugin error naming it, not a traceback."""
+    try:
+        return registry.lookup(cap.op, backend, cap.variant, force_reference=force_reference,
+                               batch_invariant=batch_invariant)
+    except ZllmError:
+        raise
+    except Exception as exc:  # ImportError, AttributeError or whatever the kernel module raises on import
+        raise PluginError(f"backend {backend!r}: the kernel for {cap} failed to import: "
+                          f"{type(exc).__name__}: {exc}") from None

@@ -29,12 +29,16 @@ class BackendChoice:
 
 
 def unavailable_reason(info: BackendInfo) -> tuple[type | None, str | None]:
-    """Import the backend class and ask it whether it can run here."""
+    """Import the backend class and ask it whether it can run here; a class that fails to
+    import, or whose ``unavailable_reason()`` raises, is unavailable with that error as reason."""
     try:
         cls = info.load_class()
     except Exception as exc:  # report, never swallow: the user asked about this backend
         return None, f"backend class {info.factory} failed to import: {type(exc).__name__}: {exc}"
-    return cls, cls.unavailable_reason()
+    try:
+        return cls, cls.unavailable_reason()
+    except Exception as exc:  # a probe that crashes must not take `zllm plugins` down with it
+        return cls, f"{info.factory}.unavailable_reason() raised {type(exc).__name__}: {exc}"
 
 
 def select_backend(host: PluginHost, name: str, needed: frozenset[Capability], family: str) -> BackendChoice:
