@@ -22,7 +22,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python $(foreach d,$(DISTS),$(d)/pyproject.toml)
+# The CPU backend compiles its native GEMV library at install: a changed source reinstalls it.
+$(VENV)/.installed: $(BIN)/python $(foreach d,$(DISTS),$(d)/pyproject.toml) zllm-backend-cpu/setup.py zllm-backend-cpu/csrc/gemv.c
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet $(foreach d,$(DISTS),-e $(d))
 	touch $@
@@ -39,8 +40,9 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest --junitxml=$(VENV)/junit.xml $(PYTEST_ARGS)
 	$(BIN)/python tools/check_verified.py $(VENV)/junit.xml compat/verified.toml
 
+BENCH_ARGS ?=
 bench: $(VENV)/.installed-test
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 BENCH_SERVE_ARGS ?=
 bench-serve: $(VENV)/.installed-test

@@ -2,19 +2,23 @@
 
 A model is a name mapped to a :class:`BenchModel`. ``ensure(name)`` returns its Hugging Face
 checkpoint directory, creating it first when the model is generated (random weights) and
-not on disk yet. Add a model by adding an entry to :data:`MODELS`.
+not on disk yet; ``ensure_gguf(name, dtype)`` returns a GGUF file of it in one of
+:data:`GGUF_DTYPES` (see :mod:`gguf_export` for how those are written). Add a model by adding
+an entry to :data:`MODELS`.
 
 Generated checkpoints go to ``bench/out/models/<name>/`` (``/bench/out/`` is gitignored) and
 are written by transformers itself (``save_pretrained``), so they are exactly what an HF
-user would load. They carry a ``tokenizer.json`` + ``tokenizer_config.json`` because zllm's
-HF loader wants them; the benchmark feeds token ids, so any tokenizer with the right
-vocabulary size does.
+user would load. They carry a ``tokenizer.json`` + ``tokenizer_config.json`` holding the real
+32000-token Llama SentencePiece vocabulary (read from the shipped
+``assets/models/llama.cpp-vocab/ggml-vocab-llama-spm.gguf``): zllm's HF loader and
+llama.cpp's converter both need a tokenizer beside the weights. The benchmark feeds token
+ids, so the tokenizer only matters for detokenizing the output.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,9 +26,14 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 OUT = BENCH / "out"
 GENERATED = OUT / "models"
+SPM_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-llama-spm.gguf"
+#: GGUF weight types the harness benchmarks, lower-case as in zllm configs and ``--outtype``.
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
-#: Written last into a generated checkpoint: its presence means the checkpoint is complete.
+#: Written last into a generated checkpoint: its content says which layout wrote it, so a
+#: checkpoint from an older harness (another tokenizer) is rebuilt rather than reused.
 _DONE_MARKER = ".bench-complete"
+_LAYOUT = "layout=2 (transformers save_pretrained, llama SPM tokenizer.json)"
 
 
 @dataclass(frozen=True)
@@ -34,52 +43,62 @@ class BenchModel:
     Attributes:
         name: the ``--models`` name.
         path: the HF checkpoint directory (shipped) or where the generated one goes.
-        create: builds the checkpoint into a directory; ``None`` for shipped checkpoints.
         description: one line for the README / report.
+        create: builds the checkpoint into a directory; ``None`` for shipped checkpoints.
+        shipped_gguf: GGUF files that ship with the repository, by dtype (used as they are).
     """
 
     name: str
     path: Path
     description: str
     create: Callable[[Path], None] | None = None
+    shipped_gguf: dict[str, Path] = field(default_factory=dict)
 
 
-# ~110M-parameter Llama: the shape of the llama2.c "stories110M" model.
-LLAMA_110M_CONFIG: dict[str, Any] = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 12,
-    "intermediate_size": 2048,
-    "vocab_size": 32000,
-    "tie_word_embeddings": True,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": None,
-}
+def _llama_config(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: bool) -> dict[str, Any]:
+    """An HF ``LlamaConfig`` dict: vocab 32000, RMS eps 1e-5, RoPE theta 10000, SiLU, context 2048."""
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": ffn,
+        "vocab_size": 32000,
+        "tie_word_embeddings": tied,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+    }
 
 
-def build_wordlevel_tokenizer(directory: Path, vocab_size: int) -> None:
-    """Write a ``tokenizer.json`` (``tokenizers`` WordLevel, ``vocab_size`` tokens: ``<unk>``,
-    ``<s>``, ``</s>``, then ``t3`` … ``t{V-1}``) and a matching ``tokenizer_config.json``."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
+# Shapes of llama2.c's stories15M and stories110M, and a Qwen2.5-0.5B-sized Llama with GQA.
+LLAMA_15M_CONFIG = _llama_config(288, 6, 6, 6, 768, tied=True)
+LLAMA_110M_CONFIG = _llama_config(768, 12, 12, 12, 2048, tied=True)
+LLAMA_05B_CONFIG = _llama_config(1280, 24, 20, 10, 3328, tied=False)
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, vocab_size)})
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+
+def build_spm_tokenizer(directory: Path) -> None:
+    """Write the Llama SentencePiece vocabulary of :data:`SPM_VOCAB` as an HF ``tokenizer.json``
+    (BPE with byte fallback, as ``LlamaTokenizerFast`` saves it) plus ``tokenizer_config.json``.
+
+    zllm builds the ``tokenizers`` model from the GGUF vocabulary (its GGUF tokenizer path);
+    a ``<s> $A`` post-processor adds BOS as Llama's tokenizer does.
+    """
+    import gguf
+    from tokenizers import processors
+    from zllm.tokenizer.gguf_vocab import vocab_from_gguf_metadata
+
+    reader = gguf.GGUFReader(str(SPM_VOCAB))
+    vocab = vocab_from_gguf_metadata({k: f.contents() for k, f in reader.fields.items()}, str(SPM_VOCAB))
+    tok = vocab.hf
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+                                                       special_tokens=[("<s>", vocab.bos_token_id)])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -99,38 +118,85 @@ def create_random_llama(directory: Path, config: dict[str, Any], seed: int = 0) 
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / _DONE_MARKER).unlink(missing_ok=True)
     torch.manual_seed(seed)
     cfg = LlamaConfig(**config)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     model.generation_config = GenerationConfig(bos_token_id=config["bos_token_id"],
                                                eos_token_id=config["eos_token_id"])
     model.save_pretrained(directory, safe_serialization=True)
-    build_wordlevel_tokenizer(directory, config["vocab_size"])
-    (directory / _DONE_MARKER).write_text(f"seed={seed}\n")
+    build_spm_tokenizer(directory)
+    (directory / _DONE_MARKER).write_text(f"{_LAYOUT}\nseed={seed}\n")
 
+
+def _generated(name: str, config: dict[str, Any], description: str) -> BenchModel:
+    return BenchModel(name=name, path=GENERATED / name, description=description,
+                      create=lambda d: create_random_llama(d, config))
+
+
+_STORIES = REPO / "assets" / "models" / "stories260k"
 
 MODELS: dict[str, BenchModel] = {
     "stories260k": BenchModel(
         name="stories260k",
-        path=REPO / "assets" / "models" / "stories260k" / "hf",
+        path=_STORIES / "hf",
         description="shipped stories260K (llama2.c, 260K params, vocab 512, GQA 8/4, ctx 512)",
+        shipped_gguf={d: _STORIES / "gguf" / f"stories260K-{d}.gguf" for d in ("f32", "f16", "q8_0")},
     ),
-    "llama-110m": BenchModel(
-        name="llama-110m",
-        path=GENERATED / "llama-110m",
-        description="random ~110M Llama (768 hidden, 12 layers, 12/12 heads, FFN 2048, vocab 32000, tied)",
-        create=lambda d: create_random_llama(d, LLAMA_110M_CONFIG),
-    ),
+    "llama-15m": _generated(
+        "llama-15m", LLAMA_15M_CONFIG,
+        "random ~15M Llama (288 hidden, 6 layers, 6/6 heads, FFN 768, vocab 32000, tied)"),
+    "llama-110m": _generated(
+        "llama-110m", LLAMA_110M_CONFIG,
+        "random ~110M Llama (768 hidden, 12 layers, 12/12 heads, FFN 2048, vocab 32000, tied)"),
+    "llama-0.5b": _generated(
+        "llama-0.5b", LLAMA_05B_CONFIG,
+        "random ~0.5B Llama (1280 hidden, 24 layers, 20/10 heads, FFN 3328, vocab 32000, untied)"),
 }
 
 
 def ensure(name: str) -> Path:
-    """The checkpoint directory of model ``name``, created first if it is generated and missing."""
+    """The checkpoint directory of model ``name``, created first if it is generated and missing
+    (or was written by an older layout of this harness)."""
     model = MODELS[name]
-    if model.create is not None and not (model.path / _DONE_MARKER).exists():
+    marker = model.path / _DONE_MARKER
+    if model.create is not None and not (marker.exists() and marker.read_text().startswith(_LAYOUT)):
         print(f"[bench] creating {name} in {model.path} (once) ...", flush=True)
         model.create(model.path)
     return model.path
+
+
+def gguf_path(name: str, dtype: str) -> Path:
+    """Where the GGUF file of ``name`` in ``dtype`` lives (shipped, or generated into the checkpoint's ``gguf/``)."""
+    model = MODELS[name]
+    if dtype in model.shipped_gguf:
+        return model.shipped_gguf[dtype]
+    return model.path / "gguf" / f"{name}-{dtype.upper()}.gguf"
+
+
+def ensure_gguf(name: str, dtype: str, writer: str = "auto") -> tuple[Path, str]:
+    """A GGUF file of model ``name`` with its weights in ``dtype`` (one of :data:`GGUF_DTYPES`),
+    written once from the HF checkpoint; returns ``(path, how it was written)``.
+
+    Raises:
+        ValueError: ``dtype`` is not a benchmark dtype, or a shipped model has no file in it.
+        RuntimeError: the writer failed (the message carries its output).
+    """
+    from gguf_export import export_gguf, written_by
+
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(GGUF_DTYPES)}")
+    model = MODELS[name]
+    path = gguf_path(name, dtype)
+    if dtype in model.shipped_gguf:
+        return path, "shipped"
+    if model.create is None:
+        raise ValueError(f"{name} ships no {dtype} GGUF file (it has {', '.join(model.shipped_gguf) or 'none'})")
+    how = written_by(path)
+    if how is None:
+        print(f"[bench] writing {path.name} (once) ...", flush=True)
+        how = export_gguf(ensure(name), path, dtype, writer)
+    return path, how
 
 
 def model_info(path: Path) -> dict[str, Any]:
@@ -148,8 +214,14 @@ def model_info(path: Path) -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":  # python bench/models.py NAME...: create generated models now
+if __name__ == "__main__":  # python bench/models.py NAME...: create generated models (and their GGUFs) now
     import sys
 
+    sys.path.insert(0, str(BENCH))
     for arg in sys.argv[1:] or list(MODELS):
         print(arg, ensure(arg))
+        for d in GGUF_DTYPES:
+            try:
+                print(" ", *ensure_gguf(arg, d))
+            except ValueError as exc:
+                print(" ", d, "-", exc)

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench-serve] batch_invariant={mode} failed: {exc}", file=sys.stderr, flush=True)
             report["zllm"][mode] = {"error": str(exc)}
     if not args.skip_hf:
-        spec = {"mode": "batch", "model_dir": str(model_dir), "prompts": prompts,
+        spec = {"mode": "batch", "model_path": str(model_dir), "dtype": "f32", "prompts": prompts,
                 "warmup_prompts": [warmup] * min(len(prompts), 2), "new_tokens": args.max_tokens,
                 "threads": args.threads}
         hf = run_worker(spec, args.threads, args.timeout)

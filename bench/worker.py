@@ -5,12 +5,17 @@ from a fresh interpreter and its peak-RSS growth is its own. The worker prints e
 line starting with ``BENCH_RESULT `` followed by a JSON object; everything else it prints
 (library logs, warnings) is ignored by the parent.
 
-Spec keys: ``engine`` (a key of :data:`ENGINES`), ``model_dir``, ``prompt_ids``,
-``warmup_ids``, ``new_tokens``, ``threads``, and ``mode``: ``measure`` (default),
-``probe`` (transformers only: greedy generation *with* EOS allowed for each candidate in
-``candidates``; returns how many tokens each produced before EOS) or ``batch``
-(transformers only, for ``bench/serve.py``: one batched greedy ``generate`` over
-``prompts``, left-padded, after a warm-up batch over ``warmup_prompts``).
+Spec keys: ``engine`` (a key of :data:`ENGINES`), ``model_path`` (zllm and llama.cpp: the
+GGUF file; transformers: the HF directory), ``dtype`` (transformers' torch dtype: ``f32``,
+``f16`` or ``bf16``), ``prompt_ids``, ``warmup_ids``, ``new_tokens``, ``threads``, and
+``mode``:
+
+- ``measure`` (default): the steps below;
+- ``batch`` (``bench/run.py --batch``, ``bench/serve.py``): ``prompts`` generated
+  concurrently — zllm through one in-process ``Engine`` (continuous batching), transformers
+  as one batched greedy ``generate`` (left-padded), after a warm-up over ``warmup_prompts``;
+- ``bandwidth``: memory read bandwidth (:func:`bandwidth`);
+- ``profile`` (zllm only, ``bench/run.py --profile``): see :mod:`profile_decode`.
 
 How a measurement runs (the same for every engine):
 
@@ -90,15 +95,17 @@ def peak_rss_bytes() -> int:
 
 # ---------------------------------------------------------------------------- engines
 #
-# An engine runner has: ``load(model_dir, spec)`` and
+# An engine runner has: ``import_libs()``, ``load(spec)``, ``versions()`` and
 # ``generate(prompt_ids, new_tokens, on_tokens) -> (token_ids, finish_reason)``, where
 # ``on_tokens(k)`` is called as soon as the engine has handed out k more tokens.
-# Add a peer (llama.cpp, vLLM, ...) by adding a class and an ENGINES entry.
+# Add a peer (vLLM, ...) by adding a class and an ENGINES entry.
 
 
 class ZllmRunner:
-    """zllm in process: ``Engine.generate_stream`` with greedy sampling and no stop ids.
+    """zllm in process: ``Engine.generate_stream`` with greedy sampling, ``ignore_eos``.
 
+    ``model_path`` is the GGUF file (or HF directory) the row benchmarks, loaded with
+    ``model.dtype: auto`` so weights stay in their stored format (F16/BF16/Q8_0 included).
     The config sizes the runtime to the workload, the way HF's cache grows to exactly
     prompt + new tokens: one running sequence, no prefix cache, a KV cache of
     ``ceil((prompt + new) / block_size)`` blocks, the whole prompt in one prefill chunk.
@@ -122,32 +129,39 @@ class ZllmRunner:
         return {"torch": torch.__version__, **{d: version(d) for d in
                 ("zllm-core", "zllm-backend-cpu", "zllm-model-llama")}}
 
-    def load(self, model_dir: str, spec: dict[str, Any]) -> None:
-        import zllm
-        from zllm.spec.config import config_from_dict
-
+    @classmethod
+    def config(cls, spec: dict[str, Any], seqs: int = 1) -> dict[str, Any]:
+        """The engine config for ``seqs`` concurrent sequences of prompt + ``new_tokens``."""
         tokens = len(spec["prompt_ids"]) + spec["new_tokens"]
-        blocks = -(-tokens // self.block_size)
-        data = {
+        blocks = -(-tokens // cls.block_size)
+        return {
             "schema_version": 1,
-            "model": {"path": model_dir, "dtype": "f32"},
+            "model": {"path": spec["model_path"], "dtype": "auto"},
             "backend": {"name": "cpu", "threads": spec["threads"]},
             "runtime": {
-                "kv_cache": {"block_size": self.block_size, "num_blocks": blocks},
-                "max_num_seqs": 1,
+                "kv_cache": {"block_size": cls.block_size, "num_blocks": blocks * seqs},
+                "max_num_seqs": seqs,
                 "max_prefill_tokens": max(512, len(spec["prompt_ids"])),
-                "context_length": blocks * self.block_size,
+                "context_length": blocks * cls.block_size,
                 "prefix_cache_seqs": 0,
             },
         }
-        self.engine = zllm.Engine.from_config(config_from_dict(data))
+
+    def load(self, spec: dict[str, Any], seqs: int = 1) -> None:
+        import zllm
+        from zllm.spec.config import config_from_dict
+
+        self.engine = zllm.Engine.from_config(config_from_dict(self.config(spec, seqs)))
+
+    @staticmethod
+    def request(prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
+        return {"prompt_token_ids": prompt_ids, "max_tokens": new_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stop": []}
 
     def generate(self, prompt_ids: list[int], new_tokens: int, on_tokens: Callable[[int], None]):
-        request = {"prompt_token_ids": prompt_ids, "max_tokens": new_tokens, "temperature": 0.0,
-                   "stop_token_ids": [], "stop": []}
         ids: list[int] = []
         finish = None
-        for event in self.engine.generate_stream(request):
+        for event in self.engine.generate_stream(self.request(prompt_ids, new_tokens)):
             if "finish_reason" in event:
                 finish = event["finish_reason"]
             elif event.get("token_ids"):
@@ -156,8 +170,11 @@ class ZllmRunner:
         return ids, finish
 
 
+TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
 class TransformersRunner:
-    """HF transformers: ``LlamaForCausalLM.from_pretrained(dir, dtype=float32,
+    """HF transformers: ``LlamaForCausalLM.from_pretrained(dir, dtype=<dtype>,
     attn_implementation="sdpa")`` and ``generate(do_sample=False, max_new_tokens=N,
     min_new_tokens=N)`` with a streamer that timestamps every new token."""
 
@@ -174,17 +191,17 @@ class TransformersRunner:
 
         return {"torch": torch.__version__, "transformers": transformers.__version__}
 
-    def load(self, model_dir: str, spec: dict[str, Any]) -> None:
+    def load(self, spec: dict[str, Any]) -> None:
         import torch
         from transformers import LlamaForCausalLM
 
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+        dtype = getattr(torch, TORCH_DTYPES[spec.get("dtype", "f32")])
+        self.model = LlamaForCausalLM.from_pretrained(spec["model_path"], dtype=dtype,
                                                       attn_implementation="sdpa").eval()
         eos = self.model.generation_config.eos_token_id
         self.eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
 
-    def generate(self, prompt_ids: list[int], new_tokens: int, on_tokens: Callable[[int], None],
-                 allow_eos: bool = False):
+    def generate(self, prompt_ids: list[int], new_tokens: int, on_tokens: Callable[[int], None]):
         import torch
         from transformers.generation.streamers import BaseStreamer
 
@@ -203,19 +220,53 @@ class TransformersRunner:
 
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
         kwargs = dict(
-            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0 if allow_eos else new_tokens,
+            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             attention_mask=torch.ones_like(input_ids), streamer=Stamp(),
             pad_token_id=self.eos[0] if self.eos else 0, eos_token_id=self.eos or None,
             temperature=None, top_p=None, top_k=None,
         )
         with torch.inference_mode():
             out = self.model.generate(input_ids, **kwargs)
-        ids = out[0, len(prompt_ids):].tolist()
-        finish = "stop" if ids and ids[-1] in self.eos and len(ids) < new_tokens else "length"
-        return ids, finish
+        return out[0, len(prompt_ids):].tolist(), "length"
 
 
-ENGINES: dict[str, type] = {"zllm": ZllmRunner, "transformers": TransformersRunner}
+class LlamaCppPythonRunner:
+    """llama.cpp through its Python binding (``llama_cpp.Llama``), when that is installed:
+    the GGUF ``model_path``, ``n_threads`` threads, the prompt evaluated in one batch, then
+    greedy tokens (``top_k=1``) until ``new_tokens`` were produced (EOS does not stop it)."""
+
+    name = "llama.cpp"
+
+    def import_libs(self) -> None:
+        import llama_cpp  # noqa: F401
+        import torch  # noqa: F401  (set_num_threads is called for every engine)
+
+    def versions(self) -> dict[str, str]:
+        import llama_cpp
+
+        return {"llama-cpp-python": llama_cpp.__version__}
+
+    def load(self, spec: dict[str, Any]) -> None:
+        import llama_cpp
+
+        n_ctx = len(spec["prompt_ids"]) + spec["new_tokens"]
+        self.llm = llama_cpp.Llama(model_path=spec["model_path"], n_ctx=n_ctx, n_batch=max(512, n_ctx),
+                                   n_threads=spec["threads"], n_threads_batch=spec["threads"], verbose=False)
+
+    def generate(self, prompt_ids: list[int], new_tokens: int, on_tokens: Callable[[int], None]):
+        self.llm.reset()
+        ids: list[int] = []
+        for token in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            ids.append(int(token))
+            on_tokens(1)
+            if len(ids) == new_tokens:
+                break
+        return ids, "length"
+
+
+ENGINES: dict[str, type] = {"zllm": ZllmRunner, "transformers": TransformersRunner,
+                            "llama.cpp": LlamaCppPythonRunner}
 
 
 # ---------------------------------------------------------------------------- measurement
@@ -232,7 +283,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     peak_reset = reset_peak_rss()
 
     t0 = time.perf_counter()
-    runner.load(spec["model_dir"], spec)
+    runner.load(spec)
     load_s = time.perf_counter() - t0
 
     runner.generate(spec["warmup_ids"], WARMUP_TOKENS, lambda k: None)
@@ -263,27 +314,59 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_reset": peak_reset,
         "threads": torch.get_num_threads(),
         "versions": runner.versions(),
+        "how": "in-process (llama_cpp Python API)" if spec["engine"] == "llama.cpp" else "in-process",
     }
 
 
-def probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """For each candidate prompt: tokens of greedy output before EOS (``new_tokens`` if none)."""
-    runner = TransformersRunner()
-    runner.import_libs()
+def _batch_result(engine: str, prompts: list[list[int]], stamps: list[tuple[float, int]], decode_from: float,
+                  first: list[float], start: float, end: float, threads: int,
+                  versions: dict[str, str]) -> dict[str, Any]:
+    """Aggregate rates of one batched run. ``stamps``: (time, tokens delivered) for every
+    delivery; ``decode_from``: when every sequence had its first token, so the tokens after it
+    are pure decode rounds."""
+    ttfts = sorted(f - start for f in first)
+    generated = sum(n for _, n in stamps)
+    decoded = sum(n for t, n in stamps if t > decode_from)
+    return {"engine": engine, "mode": "batch", "requests": len(prompts), "generated_tokens": generated,
+            "ttft_s": ttfts[0], "ttft_p50_s": ttfts[len(ttfts) // 2], "total_s": end - start,
+            "tok_s": generated / (end - start),
+            "decode_tok_s": decoded / (end - decode_from) if decoded and end > decode_from else None,
+            "threads": threads, "versions": versions}
+
+
+def batch_zllm(spec: dict[str, Any]) -> dict[str, Any]:
+    """All ``prompts`` submitted at once to one in-process ``Engine`` (continuous batching,
+    ``max_num_seqs`` = the number of prompts, KV for all of them), streams drained round-robin
+    from one thread: every ``next`` on a stream whose tokens are not there yet runs one engine
+    step, which serves every sequence."""
     import torch
 
+    runner = ZllmRunner()
+    runner.import_libs()
     torch.set_num_threads(spec["threads"])
-    runner.load(spec["model_dir"], spec)
-    lengths = []
-    for ids in spec["candidates"]:
-        out, finish = runner.generate(ids, spec["new_tokens"], lambda k: None, allow_eos=True)
-        lengths.append(len(out) if finish == "stop" else spec["new_tokens"])
-        if lengths[-1] >= spec["new_tokens"]:
-            break
-    return {"lengths": lengths}
+    prompts = spec["prompts"]
+    runner.load({**spec, "prompt_ids": prompts[0]}, seqs=len(prompts))
+    runner.generate(spec["warmup_prompts"][0], WARMUP_TOKENS, lambda k: None)
+
+    start = time.perf_counter()
+    streams = {i: runner.engine.generate_stream(runner.request(p, spec["new_tokens"])) for i, p in enumerate(prompts)}
+    first: dict[int, float] = {}
+    stamps: list[tuple[float, int]] = []
+    while streams:
+        for i, stream in list(streams.items()):
+            event = next(stream, None)
+            if event is None:
+                del streams[i]
+            elif event.get("token_ids"):
+                now = time.perf_counter()
+                first.setdefault(i, now)
+                stamps.append((now, len(event["token_ids"])))
+    end = time.perf_counter()
+    return _batch_result("zllm", prompts, stamps, max(first.values()), list(first.values()), start, end,
+                         torch.get_num_threads(), runner.versions())
 
 
-def batch(spec: dict[str, Any]) -> dict[str, Any]:
+def batch_transformers(spec: dict[str, Any]) -> dict[str, Any]:
     """transformers' batched ``generate`` over ``prompts`` (left padding, greedy, exactly
     ``new_tokens`` each): the time to the first generated token of the batch and in all."""
     import torch
@@ -292,7 +375,7 @@ def batch(spec: dict[str, Any]) -> dict[str, Any]:
     runner = TransformersRunner()
     runner.import_libs()
     torch.set_num_threads(spec["threads"])
-    runner.load(spec["model_dir"], spec)
+    runner.load(spec)
     pad = runner.eos[0] if runner.eos else 0
 
     def run(prompts: list[list[int]], n: int, on_step: Callable[[], None]) -> list[list[int]]:
@@ -323,13 +406,48 @@ def batch(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     ids = run(spec["prompts"], spec["new_tokens"], lambda: steps.append(time.perf_counter()))
     end = time.perf_counter()
-    generated = sum(len(row) for row in ids)
-    return {"engine": "transformers", "mode": "batch", "requests": len(ids), "generated_tokens": generated,
-            "ttft_s": steps[0] - start, "total_s": end - start, "tok_s": generated / (end - start),
-            "threads": torch.get_num_threads(), "versions": runner.versions()}
+    # Every step hands out one token per sequence; the first step ends the batched prefill.
+    stamps = [(t, len(ids)) for t in steps]
+    return _batch_result("transformers", spec["prompts"], stamps, steps[0], [steps[0]] * len(ids), start, end,
+                         torch.get_num_threads(), runner.versions())
 
 
-MODES = {"measure": measure, "probe": probe, "batch": batch}
+def batch(spec: dict[str, Any]) -> dict[str, Any]:
+    return (batch_zllm if spec.get("engine", "transformers") == "zllm" else batch_transformers)(spec)
+
+
+def bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
+    """Memory read bandwidth as ``torch.sum`` sees it with ``threads`` threads: best of repeated
+    sums over a 2 GiB f32 tensor (DRAM) and over 16-128 MiB tensors (the best of those sizes
+    is the in-cache figure: the data is resident after the first pass)."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+
+    def best_gb_s(mib: int, repeats: int) -> float:
+        x = torch.ones(mib * (1 << 20) // 4)
+        x.sum()
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+        return best / 1e9
+
+    dram = best_gb_s(2048, 5)
+    cache = {mib: best_gb_s(mib, 20) for mib in (16, 32, 64, 128)}
+    mib = max(cache, key=cache.get)
+    return {"threads": torch.get_num_threads(), "dram_mib": 2048, "dram_gb_s": dram, "cache_mib": mib,
+            "cache_gb_s": cache[mib], "cache_curve_gb_s": cache}
+
+
+def profile(spec: dict[str, Any]) -> dict[str, Any]:
+    from profile_decode import profile_zllm
+
+    return profile_zllm(spec)
+
+
+MODES = {"measure": measure, "batch": batch, "bandwidth": bandwidth, "profile": profile}
 
 
 def main(argv: list[str]) -> int:
@@ -341,4 +459,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main(sys.argv))

@@ -121,6 +121,15 @@ class PagedKVCache:
 
     def block_table(self, seqs: list[SeqKV], device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 ``[S, MB]`` block ids per sequence, padded with -1."""
-        width = max((len(s.blocks) for s in seqs), default=0)
-        rows = [s.blocks + [-1] * (width - len(s.blocks)) for s in seqs]
+        rows, width = self.block_table_rows(seqs)
         return torch.tensor(rows, dtype=torch.int64, device=device).view(len(seqs), width)
+
+    @staticmethod
+    def block_table_rows(seqs: list[SeqKV]) -> tuple[list[int], int]:
+        """The block table of :meth:`block_table` as a flat row-major list, and its width ``MB``."""
+        width = max((len(s.blocks) for s in seqs), default=0)
+        flat: list[int] = []
+        for s in seqs:
+            flat += s.blocks
+            flat += [-1] * (width - len(s.blocks))
+        return flat, width

@@ -1,7 +1,16 @@
 """Runs one scheduled step: builds the flattened batch, calls the model, samples.
 
 Dimension legend: T new tokens in the step (all sequences), S sequences in the step,
-S' sequences that reach their end in this step and therefore sample a token.
+S' sequences that reach their end in this step and therefore sample a token, MB the
+longest block table among them.
+
+Per-step host work is kept small because it is paid on every decode round: the step's
+integer inputs (token ids, positions, slots, logits rows and the block table) travel to
+the device as one int64 tensor whose slices are the model's inputs (one allocation and one
+copy instead of five), and a step whose sampling rows are all greedy without penalties
+takes ``argmax`` of the logits directly — what the sampling contract defines greedy as
+(``zllm.domain.sampling``, step 3; vLLM's all-greedy fast path) — skipping the sampler's
+copy of the logits and the per-row settings.
 """
 
 from __future__ import annotations
@@ -24,6 +33,12 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 GREEDY_BELOW = 1e-5
 TOP_P_MIN = 1e-30
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
+def _is_plain_greedy(r) -> bool:
+    """Whether a request samples ``argmax(logits)``: greedy temperature and no penalty."""
+    return (r.temperature < GREEDY_BELOW and r.repetition_penalty == 1.0 and r.presence_penalty == 0.0
+            and r.frequency_penalty == 0.0)
 
 
 class ModelRunner:
@@ -56,7 +71,10 @@ class ModelRunner:
                                    tuple(n for _, n in step.items), logits_rows)  # [S', V]
             if not sampling:
                 return []
-            tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
+            if all(_is_plain_greedy(s.request) for s in sampling):
+                tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
+            else:
+                tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
         return list(zip(sampling, tokens.tolist()))
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -73,19 +91,18 @@ class ModelRunner:
     def _forward(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[SeqKV],
                  query_lens: tuple[int, ...], logits_rows: list[int]) -> torch.Tensor:
         """One model forward over a flattened batch whose slots are already reserved."""
-        dev = self.device
+        t, r = len(ids), len(logits_rows)
+        table, width = self.kv.block_table_rows(seqs)  # S * MB ids
+        # One host list -> one int64 tensor: [ids T | positions T | slots T | logits rows S' | block table S*MB].
+        packed = torch.tensor(ids + positions + slots + logits_rows + table, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=self.kv.block_table(seqs, dev),
+            slot_mapping=packed[2 * t: 3 * t],
+            block_tables=packed[3 * t + r:].view(len(seqs), width),
             query_lens=query_lens,
             context_lens=tuple(s.num_tokens for s in seqs),
             scale=self.scale,
         )
-        return self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta, self.kv.layers, torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-        )
+        return self.model.forward(packed[:t], packed[t: 2 * t], meta, self.kv.layers, packed[3 * t: 3 * t + r])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         r = seq.request

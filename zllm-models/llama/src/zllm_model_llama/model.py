@@ -63,6 +63,30 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"]
         self.layers = [LlamaLayer.from_weights(weights, i) for i in range(spec.num_layers)]
         self.inv_freq, self.rope_attention_factor = rope_inv_freq(spec.head_dim, spec.rope)  # [D2], YaRN's mscale
+        # cos/sin of every position seen so far, f32 [P, D2] each (see rope_cos_sin_rows).
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Plain ints for the per-layer code (the spec's properties would recompute them each call).
+        self._heads, self._kv_heads, self._head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self._q_size = spec.q_size
+
+    def rope_cos_sin_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` f32 ``[T, D2]`` for int64 ``positions [T]``, gathered from a table of
+        ``rope_cos_sin`` over ``0..P-1`` (vLLM's ``cos_sin_cache``).
+
+        ``rope_cos_sin`` computes each row independently of the others, so a table row is
+        bit-identical to computing that position alone. The table covers every position
+        below ``max(meta.context_lens)`` (known on the host, so no device sync) and grows to
+        the next power of two when a longer context arrives, at most to the model's context
+        length: memory follows the context actually used.
+        """
+        need = max(meta.context_lens)
+        table = self._rope_table
+        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+            rows = min(1 << (need - 1).bit_length(), max(need, self.context_length))
+            grid = torch.arange(rows, dtype=torch.int64, device=positions.device)
+            table = rope_cos_sin(grid, self.inv_freq.to(positions.device), self.rope_attention_factor)  # [P, D2] each
+            self._rope_table = table
+        return table[0][positions], table[1][positions]
 
     def forward(
         self,
@@ -74,7 +98,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
         ops, eps = self.ops, self.spec.rms_norm_eps
-        cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), self.rope_attention_factor)  # [T, D/2] each
+        cos, sin = self.rope_cos_sin_rows(positions, meta)  # [T, D/2] each
         residual = ops.embedding(self.embed, token_ids)  # [T, C]
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
@@ -92,21 +116,22 @@ class LlamaModel:
 
     def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
                   window: int | None) -> torch.Tensor:
-        ops, s = self.ops, self.spec
+        ops, H, Hkv, D = self.ops, self._heads, self._kv_heads, self._head_dim
         T = x.shape[0]
         q = ops.linear(x, layer.q, layer.q_bias)  # [T, H*D]
         k = ops.linear(x, layer.k, layer.k_bias)  # [T, Hkv*D]
         if layer.q_norm is not None:  # qwen3: RMSNorm over each head's D features, before RoPE
-            q = ops.rms_norm(q.view(T * s.num_heads, s.head_dim), layer.q_norm, s.rms_norm_eps)  # [T*H, D]
-            k = ops.rms_norm(k.view(T * s.num_kv_heads, s.head_dim), layer.k_norm, s.rms_norm_eps)  # [T*Hkv, D]
-        q = ops.rope(q.view(T, s.num_heads, s.head_dim), cos, sin)  # [T, H, D]
-        k = ops.rope(k.view(T, s.num_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, D]
-        v = ops.linear(x, layer.v, layer.v_bias).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+            eps = self.spec.rms_norm_eps
+            q = ops.rms_norm(q.view(T * H, D), layer.q_norm, eps)  # [T*H, D]
+            k = ops.rms_norm(k.view(T * Hkv, D), layer.k_norm, eps)  # [T*Hkv, D]
+        q = ops.rope(q.view(T, H, D), cos, sin)  # [T, H, D]
+        k = ops.rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
+        v = ops.linear(x, layer.v, layer.v_bias).view(T, Hkv, D)  # [T, Hkv, D]
         if window is None:
             out = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
         else:
             out = ops.attention_sliding(q, k, v, kv_cache[0], kv_cache[1], meta, window)  # [T, H, D]
-        return ops.linear(out.reshape(T, s.q_size), layer.o, layer.o_bias)  # [T, C]
+        return ops.linear(out.reshape(T, self._q_size), layer.o, layer.o_bias)  # [T, C]
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
