@@ -37,7 +37,9 @@ def test_bench_measures_both_engines_batches_and_profiles(tmp_path: Path) -> Non
     markdown = out.with_suffix(".md").read_text()
     assert markdown in proc.stdout
 
-    rows = _rows(markdown, "stories260k")
+    generation = markdown.split("## Batch-1 generation", 1)[1].split("\n## ", 1)[0]
+    assert "## Targets" in markdown
+    rows = _rows(generation, "stories260k")
     by_engine = {r[2]: r for r in rows}
     assert set(by_engine) == {"zllm", "transformers f32", "zllm/transformers"}, rows
     for engine in ("zllm", "transformers f32"):
