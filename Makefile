@@ -23,7 +23,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # The CPU backend compiles its native GEMV library at install: a changed source reinstalls it.
-$(VENV)/.installed: $(BIN)/python $(foreach d,$(DISTS),$(d)/pyproject.toml) zllm-backend-cpu/setup.py zllm-backend-cpu/csrc/gemv.c
+$(VENV)/.installed: $(BIN)/python $(foreach d,$(DISTS),$(d)/pyproject.toml) zllm-backend-cpu/setup.py $(wildcard zllm-backend-cpu/csrc/*)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet $(foreach d,$(DISTS),-e $(d))
 	touch $@

@@ -1,5 +1,6 @@
-"""Build step of zllm-backend-cpu: compiles the native GEMV library (``csrc/gemv.c``) with the
-machine's C compiler into ``zllm_backend_cpu/_gemv.so``; the metadata is in pyproject.toml.
+"""Build step of zllm-backend-cpu: compiles the native kernel library (``csrc/*.c``: GEMV,
+element-wise ops, paged decode attention) with the machine's C compiler into
+``zllm_backend_cpu/_native.so``; the metadata is in pyproject.toml.
 
 The library is a plain shared object loaded with ctypes (never imported as a Python module),
 so its file name carries no Python ABI tag and the wheel is tagged ``py3-none-<platform>``.
@@ -8,6 +9,7 @@ and the backend uses its torch kernels, saying why in ``zllm run --explain``.
 """
 
 import os
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
@@ -29,16 +31,17 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", platform
 
 
-GEMV = Extension(
-    "zllm_backend_cpu._gemv",
-    sources=["csrc/gemv.c"],
+NATIVE = Extension(
+    "zllm_backend_cpu._native",
+    sources=sorted(str(p.relative_to(Path(__file__).parent)) for p in (Path(__file__).parent / "csrc").glob("*.c")),
+    depends=["csrc/common.h"],
     # The ISA flags name exactly what the intrinsics need (checked at load time); -mtune
     # schedules for the machine that builds (and runs) it. No -ffast-math and no
-    # contraction: the reduction order is part of the kernels' contract (see gemv.c).
+    # contraction: the reduction order is part of the kernels' contract (see gemv.c, attention.c).
     extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp",
                         "-ffp-contract=off", "-g0", "-std=c11"],
     extra_link_args=["-fopenmp"],
     optional=True,
 )
 
-setup(ext_modules=[GEMV], cmdclass={"build_ext": BuildSharedLibrary, "bdist_wheel": PlatformWheel})
+setup(ext_modules=[NATIVE], cmdclass={"build_ext": BuildSharedLibrary, "bdist_wheel": PlatformWheel})

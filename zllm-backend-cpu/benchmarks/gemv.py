@@ -173,7 +173,7 @@ def main() -> None:
         p.error(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
     reason = unavailable_reason()
     if reason is not None:
-        p.exit(2, f"error: native GEMV kernels unavailable: {reason}\n")
+        p.exit(2, f"error: native kernels unavailable: {reason}\n")
     torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}, T = {args.tokens}, {args.repeats} rounds of {args.round_s} s per case")
     g = torch.Generator().manual_seed(0)

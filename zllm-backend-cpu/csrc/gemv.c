@@ -26,26 +26,17 @@
  * Threads: OpenMP, with the caller's thread count (torch's). The library is loaded after
  * torch, so it binds to the libgomp torch already loaded: one thread pool for both, and no
  * second set of spinning threads competing for the cores. The rows are cut into work items
- * of about CHUNK_BYTES of weights, and the items into one contiguous region per thread. A
+ * of at most about CHUNK_BYTES of weights, the same number of items for every thread and the
+ * same number of rows for every item, and the items into one contiguous region per thread. A
  * thread takes the items of its own region front to back (one stream), then helps with the
  * others' remaining items, so a thread that the OS deschedules on a busy machine delays
  * only the item it holds instead of its whole share.
- *
- * Built with -mavx2 -mfma -mf16c (not -march=native), so zllm_gemv_cpu_missing() can check
- * at load time exactly what the code needs.
  */
-#include <immintrin.h>
-#include <omp.h>
-#include <stdint.h>
-#include <math.h>
+#include "common.h"
 
-#define ZLLM_GEMV_ABI 1
 #define TOKENS_MAX 2              /* tokens sharing one conversion of a weight row */
 #define CHUNK_BYTES (64 << 10)    /* weight bytes per work item of the thread split */
-#define MAX_THREADS 256           /* more threads than this are capped */
 #define PREFETCH_BYTES 512
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* Prefetch the cache lines PREFETCH_BYTES ahead of the `bytes` at p: the GEMV loops retire
  * few bytes per instruction (bf16, Q8_0), so the out-of-order window alone keeps too few
@@ -54,43 +45,6 @@
 #define PREFETCH(p, bytes)                                                                     \
     for (int pf_ = 0; pf_ < (int)(bytes); pf_ += 64)                                           \
         _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf_, _MM_HINT_T0)
-
-int zllm_gemv_abi(void) { return ZLLM_GEMV_ABI; }
-
-/* The first CPU feature this library needs that the running CPU lacks, or "" when none is
- * missing. Compiled for baseline x86-64 so that it runs on any x86-64 CPU. */
-__attribute__((target("arch=x86-64"))) const char *zllm_gemv_cpu_missing(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2")) return "avx2";
-    if (!__builtin_cpu_supports("fma")) return "fma";
-    if (!__builtin_cpu_supports("f16c")) return "f16c";
-    return "";
-}
-
-INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* ---- dense weights: 8 consecutive weights as f32 lanes, and one weight as f32 ---- */
-
-INLINE __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-INLINE float load1_f32(const float *p) { return *p; }
-
-INLINE __m256 load8_bf16(const uint16_t *p) {
-    /* bf16 is the top half of an f32: widen and shift (exact) */
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-INLINE float load1_bf16(const uint16_t *p) {
-    union { uint32_t u; float f; } v = {(uint32_t)*p << 16};
-    return v.f;
-}
-
-INLINE __m256 load8_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-INLINE float load1_f16(const uint16_t *p) { return _cvtsh_ss(*p); }
 
 /* One weight row (w) times TT tokens of x (row stride xs) -> y[t * ldy]; TT is a constant at
  * each call, so the accumulators stay in registers. */
@@ -209,11 +163,17 @@ ROWS(q4_0, uint8_t)
 #define GEMV_ENTRY(NAME, WT, ROW_BYTES)                                                        \
 void zllm_gemv_##NAME(const WT *w, int64_t ws, const float *x, int64_t xs, const float *bias,   \
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {                 \
+    if (n <= 0 || t <= 0) return;                                                               \
     const int64_t row_bytes = (ROW_BYTES) > 0 ? (ROW_BYTES) : 1;                                \
-    const int64_t rows = CHUNK_BYTES / row_bytes > 1 ? CHUNK_BYTES / row_bytes : 1;             \
-    const int64_t items = (n + rows - 1) / rows;                                                \
+    int64_t items = (n * row_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES;                            \
+    items = items < n ? (items > 1 ? items : 1) : n;                                            \
     int nth = threads < items ? threads : (int)items;                                           \
-    nth = nth < MAX_THREADS ? nth : MAX_THREADS;                                                \
+    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;                                \
+    /* as many items per thread for every thread, then equal rows per item: a weight of a  \
+     * few items (small models) is split evenly instead of one full item and one stub */   \
+    items = (items + nth - 1) / nth * nth;                                                      \
+    const int64_t rows = (n + items - 1) / items;                                               \
+    items = (n + rows - 1) / rows;                                                              \
     if (nth <= 1) {                                                                             \
         rows_##NAME(w, ws, x, xs, bias, y, t, n, k, 0, n);                                      \
         return;                                                                                 \

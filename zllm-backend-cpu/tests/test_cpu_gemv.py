@@ -191,16 +191,16 @@ except RuntimeError as e:
 
 
 def test_without_the_library_the_torch_kernels_run_and_say_why(tmp_path):
-    """An install whose build had no compiler: the package without ``_gemv.so``."""
+    """An install whose build had no compiler: the package without ``_native.so``."""
     pkg = tmp_path / "zllm_backend_cpu"
-    shutil.copytree(LIBRARY_PATH.parent, pkg, ignore=shutil.ignore_patterns("_gemv.so", "__pycache__"))
+    shutil.copytree(LIBRARY_PATH.parent, pkg, ignore=shutil.ignore_patterns("_native.so", "__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"FROM {pkg / '__init__.py'}"
     choices = {tuple(line.split()[1:3]): line.split(" ", 3)[3] for line in lines if line.startswith("CHOICE")}
-    why = "torch path: native GEMV kernels unavailable: _gemv.so was not built at install time"
+    why = "torch path: native kernels unavailable: _native.so was not built at install time"
     assert choices[("bf16", "False")].startswith("zllm_backend_cpu.kernels.linear:linear_dense |")
     assert choices[("q8_0", "False")].startswith("zllm_backend_cpu.kernels.linear:linear_quant |")
     assert choices[("f32", "True")].startswith("zllm_backend_cpu.kernels.invariant:linear_dense_invariant |")
@@ -208,4 +208,4 @@ def test_without_the_library_the_torch_kernels_run_and_say_why(tmp_path):
         assert why in choices[key], choices[key]
     # formats the native kernels would not serve anyway carry no note
     assert "unavailable" not in choices[("q4_k", "False")]
-    assert any(line.startswith("ERROR native GEMV kernels unavailable: _gemv.so was not built") for line in lines)
+    assert any(line.startswith("ERROR native kernels unavailable: _native.so was not built") for line in lines)

@@ -7,7 +7,7 @@ from collections import Counter
 
 from zllm.capabilities import CORE_CAPABILITIES, Capability
 from zllm.kernels.registry import KernelRegistry
-from zllm_backend_cpu.kernels import CAPABILITIES, GEMV_INVARIANT_KERNELS, GEMV_KERNELS, KERNELS
+from zllm_backend_cpu.kernels import CAPABILITIES, KERNELS, NATIVE_INVARIANT_KERNELS, NATIVE_KERNELS
 
 
 def test_kernels_cover_exactly_core_capabilities():
@@ -27,8 +27,8 @@ def test_every_entry_resolves_and_registers():
         assert callable(registry.lookup(cap.op, "cpu", cap.variant).fn)
 
 
-def test_native_gemv_rows_serve_declared_capabilities_and_resolve():
-    for op, variants, impl in GEMV_KERNELS + GEMV_INVARIANT_KERNELS:
+def test_native_rows_serve_declared_capabilities_and_resolve():
+    for op, variants, impl in NATIVE_KERNELS + NATIVE_INVARIANT_KERNELS:
         assert {Capability(op, v) for v in variants} <= CAPABILITIES, impl
         module, _, attr = impl.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), impl

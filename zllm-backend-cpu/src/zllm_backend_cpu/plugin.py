@@ -1,7 +1,7 @@
 """Entry point of the ``zllm-backend-cpu`` distribution (group ``zllm``, name ``cpu``).
 
 Capabilities come from the static kernel table, so reading them imports no kernel code.
-Registering kernels loads the native GEMV library (a ``ctypes`` load of one small shared
+Registering kernels loads the native kernel library (a ``ctypes`` load of one small shared
 object, no kernel module import) to decide whether its kernels can be registered; priorities
 are in :mod:`zllm_backend_cpu.kernels`.
 """
@@ -9,8 +9,8 @@ are in :mod:`zllm_backend_cpu.kernels`.
 from collections.abc import Collection
 
 from zllm.plugin_api import BackendInfo, KernelRegistry, hookimpl
-from zllm_backend_cpu.kernels import (CAPABILITIES, GEMV_INVARIANT_KERNELS, GEMV_KERNELS, INVARIANT_AS_IS,
-                                      INVARIANT_KERNELS, KERNELS)
+from zllm_backend_cpu.kernels import (CAPABILITIES, INVARIANT_AS_IS, INVARIANT_KERNELS, KERNELS, NATIVE_INVARIANT_AS_IS,
+                                      NATIVE_INVARIANT_KERNELS, NATIVE_KERNELS)
 from zllm_backend_cpu.kernels.native import unavailable_reason
 
 ZLLM_PLUGIN_API = "1.0"
@@ -26,7 +26,7 @@ def zllm_backends() -> list[BackendInfo]:
             factory="zllm_backend_cpu.backend:CpuBackend",
             capabilities=CAPABILITIES,
             priority=0,
-            description="torch CPU kernels + native GEMV for decode; f32 compute, weights f32/f16/bf16/Q8_0/Q4_0/K-quants",
+            description="torch CPU kernels + native decode kernels (GEMV, norms, RoPE, paged attention); f32 compute, weights f32/f16/bf16/Q8_0/Q4_0/K-quants",
         )
     ]
 
@@ -57,11 +57,11 @@ def zllm_register_kernels(registry: KernelRegistry) -> None:
     if reason is None:
         _register(registry, KERNELS, priority=0, invariant_ops=INVARIANT_AS_IS)
         _register(registry, INVARIANT_KERNELS, priority=-2, invariant_ops=every_op)
-        _register(registry, GEMV_KERNELS, priority=1, invariant_ops=())
-        _register(registry, GEMV_INVARIANT_KERNELS, priority=-1, invariant_ops=every_op)
+        _register(registry, NATIVE_KERNELS, priority=1, invariant_ops=NATIVE_INVARIANT_AS_IS)
+        _register(registry, NATIVE_INVARIANT_KERNELS, priority=-1, invariant_ops=every_op)
         return
-    # Without the library, the torch kernels of the formats it would serve say why they run.
-    note = f"torch path: native GEMV kernels unavailable: {reason}"
-    _register(registry, KERNELS, priority=0, invariant_ops=INVARIANT_AS_IS, noted=_pairs(GEMV_KERNELS), note=note)
-    _register(registry, INVARIANT_KERNELS, priority=-2, invariant_ops=every_op, noted=_pairs(GEMV_INVARIANT_KERNELS),
+    # Without the library, the torch kernels of the ops and formats it would serve say why they run.
+    note = f"torch path: native kernels unavailable: {reason}"
+    _register(registry, KERNELS, priority=0, invariant_ops=INVARIANT_AS_IS, noted=_pairs(NATIVE_KERNELS), note=note)
+    _register(registry, INVARIANT_KERNELS, priority=-2, invariant_ops=every_op, noted=_pairs(NATIVE_INVARIANT_KERNELS),
               note=note)

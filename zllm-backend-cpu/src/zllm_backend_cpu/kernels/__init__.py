@@ -7,15 +7,18 @@ declares is exactly what it registers.
 Priorities of the ``linear`` kernels for one format, highest first (the registry picks the
 highest; batch-invariant mode the highest batch-invariant one):
 
-- 1: native GEMV (:data:`GEMV_KERNELS`) — calls of up to 16 tokens (decode), otherwise the
+- 1: native GEMV (:data:`NATIVE_KERNELS`) — calls of up to 16 tokens (decode), otherwise the
   torch kernel; registered only when the native library loads;
 - 0: torch (:data:`KERNELS`);
-- -1: native GEMV, batch-invariant for any ``T`` (:data:`GEMV_INVARIANT_KERNELS`); only when
+- -1: native GEMV, batch-invariant for any ``T`` (:data:`NATIVE_INVARIANT_KERNELS`); only when
   the library loads;
 - -2: torch, batch-invariant (:data:`INVARIANT_KERNELS`).
 
-When the native library is unavailable, the torch kernels of the formats it would serve carry
-the reason as their registry note, so ``zllm run --explain`` says why the torch path runs.
+The other ops follow the same rule: the native kernels (:data:`NATIVE_KERNELS`: RMSNorm, add +
+RMSNorm, RoPE, SiLU-and-mul, paged attention) at priority 1 over the torch ones at 0.
+
+When the native library is unavailable, the torch kernels of the ops and formats it would serve
+carry the reason as their registry note, so ``zllm run --explain`` says why the torch path runs.
 """
 
 from __future__ import annotations
@@ -55,17 +58,27 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
 ]
 
-#: Native GEMV kernels (:mod:`zllm_backend_cpu.kernels.gemv`), registered at priority 1 when
-#: the library loads.
-GEMV_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
+#: Native kernels (:mod:`zllm_backend_cpu.kernels.native`), registered at priority 1 when the
+#: library loads.
+NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", ("f32", "f16", "bf16", "q8_0", "q4_0"), f"{_PKG}.gemv:linear_gemv"),
+    ("rms_norm", ("f32",), f"{_PKG}.elementwise:rms_norm"),
+    ("add_rms_norm", ("f32",), f"{_PKG}.elementwise:add_rms_norm"),
+    ("rope", ("neox",), f"{_PKG}.elementwise:rope"),
+    ("rope", ("gptj",), f"{_PKG}.elementwise:rope_gptj"),
+    ("silu_mul", ("f32",), f"{_PKG}.elementwise:silu_mul"),
 ]
 
+#: Ops of :data:`NATIVE_KERNELS` whose kernels are batch-invariant (each row alone, in a fixed
+#: order: ``csrc/elementwise.c``).
+NATIVE_INVARIANT_AS_IS = frozenset({"rms_norm", "add_rms_norm", "rope", "silu_mul"})
+
 #: Batch-invariant native GEMV kernels, registered at priority -1 when the library loads.
-GEMV_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
+NATIVE_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", ("f32", "f16", "bf16", "q8_0", "q4_0"), f"{_PKG}.gemv:linear_gemv_invariant"),
 ]
 
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)
 
-__all__ = ["CAPABILITIES", "GEMV_INVARIANT_KERNELS", "GEMV_KERNELS", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "KERNELS"]
+__all__ = ["CAPABILITIES", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "KERNELS", "NATIVE_INVARIANT_AS_IS",
+           "NATIVE_INVARIANT_KERNELS", "NATIVE_KERNELS"]

@@ -1,4 +1,4 @@
-"""``linear`` for decode steps through the native GEMV library (:mod:`.native`, ``csrc/gemv.c``).
+"""``linear`` for decode steps through the native GEMV kernels (:mod:`.native`, ``csrc/gemv.c``).
 
 Dimension legend: ``T`` tokens, ``K`` in-features, ``N`` out-features.
 
@@ -21,18 +21,24 @@ element is reduced in one fixed order that depends only on the format and ``K``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zllm.plugin_api import QuantizedTensor
 from zllm_backend_cpu.kernels import linear as torch_linear
-from zllm_backend_cpu.kernels.native import FORMATS, library
+from zllm_backend_cpu.kernels.native import I64, INT, P, function
 
 # T above this takes the torch kernels: on a 2-core AVX2 machine (every linear of a 110M Llama,
 # 2 threads) the native kernels were 1.4-2x faster than torch at T = 16, about even at 24 and
 # slower at 32 (f32, bf16)
 GEMV_MAX_TOKENS = 16
 
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0")  # one entry point zllm_gemv_<format> each
 _DENSE_FORMATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# zllm_gemv_<format>(w, w_row_stride, x, x_row_stride, bias | NULL, y, T, N, K, threads)
+_ARGTYPES = (P, I64, P, I64, P, P, I64, I64, I64, INT)
+_BOUND: dict[str, Callable] = {}  # format -> bound entry point
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,27 +50,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Te
         RuntimeError: the native library is unavailable (see :mod:`.native`).
         ValueError: a weight format the native kernels do not have.
     """
-    n, k = weight.shape
-    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == k, (x.shape, x.dtype, weight.shape)
-    assert bias is None or tuple(bias.shape) == (n,), (None if bias is None else bias.shape, n)
     if isinstance(weight, QuantizedTensor):
         fmt, w = weight.fmt, weight.data  # uint8 [N, K / 32 * block bytes]
     else:
         fmt, w = _DENSE_FORMATS.get(weight.dtype), weight
-    if fmt not in FORMATS:
-        raise ValueError(f"native GEMV kernels have no format {fmt or weight.dtype!r}; expected one of {', '.join(FORMATS)}")
-    fn = getattr(library(), f"zllm_gemv_{fmt}")
+    fn = _BOUND.get(fmt) or _bind(fmt, weight)
+    n, k = weight.shape
+    t, xk = x.shape
+    assert xk == k and x.dtype == torch.float32 and (bias is None or tuple(bias.shape) == (n,)), (
+        x.shape, x.dtype, weight.shape, None if bias is None else bias.shape)
     if w.stride(1) != 1:
         w = w.contiguous()
     if x.stride(1) != 1:
         x = x.contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    t = x.shape[0]
+    if bias is not None:
+        bias = bias.float().contiguous()
     out = torch.empty(t, n)  # [T, N]
     if t and n:
-        fn(w.data_ptr(), w.stride(0), x.data_ptr(), x.stride(0), None if b is None else b.data_ptr(),
+        fn(w.data_ptr(), w.stride(0), x.data_ptr(), x.stride(0), None if bias is None else bias.data_ptr(),
            out.data_ptr(), t, n, k, torch.get_num_threads())
     return out
+
+
+def _bind(fmt: str | None, weight) -> Callable:
+    """Bind ``zllm_gemv_<fmt>`` on first use (the library loads then, so importing this module
+    needs no library)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"native GEMV kernels have no format {fmt or weight.dtype!r}; expected one of {', '.join(FORMATS)}")
+    _BOUND[fmt] = function(f"zllm_gemv_{fmt}", *_ARGTYPES)
+    return _BOUND[fmt]
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:

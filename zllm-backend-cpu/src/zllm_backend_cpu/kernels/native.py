@@ -1,14 +1,19 @@
-"""The native GEMV library ``zllm_backend_cpu/_gemv.so`` (source ``csrc/gemv.c``, built by the
-distribution's ``setup.py`` at install time): loading it, and why it is unavailable.
+"""The native kernel library ``zllm_backend_cpu/_native.so`` (sources ``csrc/*.c``, built by
+the distribution's ``setup.py`` at install time): loading it, binding its entry points, and
+why it is unavailable.
 
-The library is optional. It is missing where the install had no C compiler or the platform
-is not x86-64; it is refused when the CPU lacks AVX2/FMA/F16C or the file is a stale build of
+The library holds the decode-step kernels: GEMV for ``linear`` (``csrc/gemv.c``), RMSNorm,
+fused add + RMSNorm, RoPE and SiLU-and-mul (``csrc/elementwise.c``) and paged decode
+attention (``csrc/attention.c``).
+
+It is optional. It is missing where the install had no C compiler or the platform is not
+x86-64; it is refused when the CPU lacks AVX2/FMA/F16C or the file is a stale build of
 another source version. :func:`unavailable_reason` says which, and the plugin registers the
 native kernels only when it is ``None`` (otherwise the torch kernels carry that reason into
 ``zllm run --explain``).
 
 torch is imported before the library is loaded: the library needs ``libgomp.so.1``, and the
-dynamic loader then binds it to the copy torch loaded, so torch's ops and the GEMV kernels
+dynamic loader then binds it to the copy torch loaded, so torch's ops and the native kernels
 share one OpenMP thread pool.
 """
 
@@ -20,13 +25,12 @@ from pathlib import Path
 
 import torch  # noqa: F401  (imported first; see the module doc)
 
-LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_gemv.so"
-ABI_VERSION = 1  # ZLLM_GEMV_ABI in csrc/gemv.c: a mismatch means a stale build
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0")  # one entry point zllm_gemv_<format> each
+LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_native.so"
+ABI_VERSION = 2  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-# zllm_gemv_<format>(w, w_row_stride, x, x_row_stride, bias | NULL, y, T, N, K, threads)
-_GEMV_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+#: ctypes argument types: pointers (``tensor.data_ptr()`` or None), 64-bit sizes and strides,
+#: C ints and floats.
+P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache
@@ -38,17 +42,18 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(str(LIBRARY_PATH))
     except OSError as e:
         return None, f"cannot load {LIBRARY_PATH}: {e}"
-    lib.zllm_gemv_abi.restype = ctypes.c_int
-    lib.zllm_gemv_cpu_missing.restype = ctypes.c_char_p
-    if lib.zllm_gemv_abi() != ABI_VERSION:
-        return None, (f"{LIBRARY_PATH} is a stale build (ABI {lib.zllm_gemv_abi()}, this source expects "
-                      f"{ABI_VERSION}); reinstall zllm-backend-cpu")
-    missing = lib.zllm_gemv_cpu_missing().decode()
+    try:
+        lib.zllm_native_abi.restype = ctypes.c_int
+        abi = lib.zllm_native_abi()
+    except AttributeError:
+        abi = None
+    if abi != ABI_VERSION:
+        return None, (f"{LIBRARY_PATH} is a stale build (ABI {abi}, this source expects {ABI_VERSION}); "
+                      f"reinstall zllm-backend-cpu")
+    lib.zllm_native_cpu_missing.restype = ctypes.c_char_p
+    missing = lib.zllm_native_cpu_missing().decode()
     if missing:
-        return None, f"this CPU lacks {missing.upper()}, which the native GEMV kernels need (AVX2, FMA, F16C)"
-    for fmt in FORMATS:
-        fn = getattr(lib, f"zllm_gemv_{fmt}")
-        fn.argtypes, fn.restype = _GEMV_ARGTYPES, None
+        return None, f"this CPU lacks {missing.upper()}, which the native kernels need (AVX2, FMA, F16C)"
     return lib, None
 
 
@@ -60,8 +65,21 @@ def library() -> ctypes.CDLL:
     """
     lib, reason = _load()
     if lib is None:
-        raise RuntimeError(f"native GEMV kernels unavailable: {reason}")
+        raise RuntimeError(f"native kernels unavailable: {reason}")
     return lib
+
+
+@functools.cache
+def function(name: str, *argtypes: type) -> ctypes._CFuncPtr:
+    """The library's entry point ``name`` with its ``argtypes`` set (returning void), bound once.
+
+    Raises:
+        RuntimeError: the library is unavailable.
+        AttributeError: it has no such entry point.
+    """
+    fn = getattr(library(), name)
+    fn.argtypes, fn.restype = list(argtypes), None
+    return fn
 
 
 def unavailable_reason() -> str | None:
@@ -69,4 +87,4 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-__all__ = ["ABI_VERSION", "FORMATS", "LIBRARY_PATH", "library", "unavailable_reason"]
+__all__ = ["ABI_VERSION", "F32", "I64", "INT", "LIBRARY_PATH", "P", "function", "library", "unavailable_reason"]

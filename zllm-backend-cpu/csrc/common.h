@@ -1,0 +1,59 @@
+/* Shared by the native kernels of zllm-backend-cpu (gemv.c, elementwise.c, attention.c):
+ * inlining, horizontal sums, and loads of 8 (or 1) stored values as f32 lanes.
+ *
+ * Every file is built with -mavx2 -mfma -mf16c (not -march=native), so
+ * zllm_native_cpu_missing() (library.c) can check at load time exactly what the code needs.
+ */
+#ifndef ZLLM_NATIVE_COMMON_H
+#define ZLLM_NATIVE_COMMON_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_THREADS 256 /* more threads than this are capped */
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ---- 8 consecutive stored values as f32 lanes, and one value as f32 ---- */
+
+INLINE __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+INLINE float load1_f32(const float *p) { return *p; }
+
+INLINE __m256 load8_bf16(const uint16_t *p) {
+    /* bf16 is the top half of an f32: widen and shift (exact) */
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+INLINE float load1_bf16(const uint16_t *p) {
+    union { uint32_t u; float f; } v = {(uint32_t)*p << 16};
+    return v.f;
+}
+
+INLINE __m256 load8_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE float load1_f16(const uint16_t *p) { return _cvtsh_ss(*p); }
+
+/* 8 f32 lanes stored as bf16 (round to nearest even, as torch's .to(torch.bfloat16); NaN
+ * stays NaN) and as f16 (F16C, round to nearest even). */
+INLINE void store8_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+INLINE void store8_bf16(uint16_t *p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), _mm256_castps_si256(nan));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+INLINE void store8_f16(uint16_t *p, __m256 v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+#endif
