@@ -39,7 +39,7 @@ DISTS = {
     "zllm-backend-metal": ("zllm-backend-metal", "zllm_backend_metal", "metal"),
 }
 PLUGIN_DISTS = [folder for folder, (_, _, ep) in DISTS.items() if ep]
-# The CPU backend's wheel holds its native GEMV library (built by its setup.py): tied to the
+# The CPU backend's wheel holds its native kernel library (built by its setup.py): tied to the
 # platform, not to a Python version or ABI. The others are pure Python.
 WHEEL_TAGS = {"zllm-backend-cpu": "py3-none-" + sysconfig.get_platform().replace("-", "_").replace(".", "_")}
 
@@ -187,7 +187,7 @@ def test_core_with_only_the_cpu_backend_lists_it_and_knows_no_architecture(wheel
     assert where.returncode == 0, where.stderr
     for path in where.stdout.split():
         assert Path(path).is_relative_to(tmp_path / "venv"), where.stdout
-    # the wheel's native GEMV library loads (None: no reason it cannot be used)
+    # the wheel's native kernel library loads (None: no reason it cannot be used)
     native = _run([bin_dir / "python", "-c", "from zllm_backend_cpu.kernels.native import unavailable_reason as r; print(r())"],
                   cwd=tmp_path)
     assert native.stdout.strip() == "None", native.stdout + native.stderr

@@ -1,4 +1,4 @@
-"""GGUF checkpoints: one file read with ``gguf.GGUFReader``, presented under HF names.
+"""GGUF checkpoints: one file read with :mod:`zllm.weights.gguf_header`, presented under HF names.
 
 The reader memory-maps the file copy-on-write (``mode="c"``): tensor arrays are writable
 views of the mapping, so ``torch.from_numpy`` shares them without a copy or a read-only
@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from zllm.spec.errors import CheckpointError, TensorError, UnknownArchitectureError
 from zllm.weights.checkpoint import Checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
+from zllm.weights.gguf_header import GGUFFormatError, GGUFPartialBlockError, GGUFTensorInfo, read_gguf_header
 from zllm.weights.gguf_maps import (
     ARCH_MAPS, REQUIRED, ROPE_ADJACENT_PAIR, ROPE_FREQS_TENSOR, GGUFArchMap, call_default, rope_scaling_config,
 )
@@ -37,29 +38,6 @@ GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
     GGMLQuantizationType.Q5_K: "q5_k",
     GGMLQuantizationType.Q6_K: "q6_k",
 }
-
-
-class _PartialBlockRow(ValueError):
-    def __init__(self, tensor: str, qtype: GGMLQuantizationType, cols: int, block: int):
-        self.tensor = tensor
-        super().__init__(f"stored as GGUF type {qtype.name} with rows of {cols} weights, not a multiple of its {block}-weight block")
-
-
-class _Reader(GGUFReader):
-    """``GGUFReader`` whose error for a row that does not split into whole blocks names the
-    tensor (gguf's own ``quant_shape_to_byte_shape`` error names only the type)."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            _, name, _, dims, raw_type, _ = field.parts
-            try:
-                qtype = GGMLQuantizationType(int(raw_type[0]))
-            except ValueError:
-                break  # unknown type: gguf raises its own error below
-            block = GGML_QUANT_SIZES[qtype][0]
-            if len(dims) and int(dims[0]) % block:  # dims[0] is ne0, the row length
-                raise _PartialBlockRow(bytes(name).decode("utf-8", "replace"), qtype, int(dims[0]), block)
-        super()._build_tensors(start_offs, fields)
 
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -97,40 +75,33 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path):
         self.path = path
-        size = path.stat().st_size
         try:
-            reader = _Reader(path, mode="c")
-        except _PartialBlockRow as e:
+            header = read_gguf_header(path)
+        except GGUFPartialBlockError as e:
             raise TensorError(str(path), e.tensor, str(e)) from e
-        except Exception as e:  # GGUFReader raises ValueError, IndexError, OSError … on bad files
-            raise CheckpointError(
-                str(path), f"not a readable GGUF file ({size} bytes; truncated or corrupt): {type(e).__name__}: {e}"
-            ) from e
-        if reader.byte_order != "I":
-            raise CheckpointError(str(path), "big-endian GGUF files are not supported")
-        for t in reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size or t.data.nbytes != t.n_bytes:
-                raise CheckpointError(str(path), f"truncated: tensor {t.name!r} ends at byte {end}, the file has {size} bytes")
-        self._reader = reader
-        self._raw: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
+        except GGUFFormatError as e:  # says what is wrong (truncated, corrupt, big-endian …) and where
+            raise CheckpointError(str(path), str(e)) from e
+        except OSError as e:
+            raise CheckpointError(str(path), f"cannot read GGUF file: {e}") from e
+        self._fields = header.fields
+        self._raw: dict[str, GGUFTensorInfo] = {t.name: t for t in header.tensors}
 
     # --- metadata -----------------------------------------------------------------------
 
     def _value(self, key: str) -> Any:
         """Decoded value of metadata ``key`` (float32 scalars as their shortest decimal); None if absent."""
-        field = self._reader.fields.get(key)
+        field = self._fields.get(key)
         if field is None:
             return None
-        value = field.contents()
+        value = field.value
         if field.types[-1] == GGUFValueType.FLOAT32:
             value = [_f32_value(v) for v in value] if isinstance(value, list) else _f32_value(value)
         return value
 
     @functools.cached_property
     def metadata(self) -> dict[str, Any]:
-        # The GGUF.* entries are the reader's header pseudo-fields (version, counts), not key/values.
-        return {k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")}
+        # As GGUFReader's fields without its GGUF.* pseudo-keys (version, counts); lists copied.
+        return {k: list(f.value) if isinstance(f.value, list) else f.value for k, f in self._fields.items() if not k.startswith("GGUF.")}
 
     @property
     def files(self) -> list[Path]:
@@ -196,9 +167,9 @@ class GGUFCheckpoint(Checkpoint):
             config["rope_freq_factors"] = [float(f) for f in np.asarray(freqs.data).reshape(-1)]
         # llama.cpp sizes token_embd by the vocabulary (tokenizer.ggml.tokens); files without
         # one (e.g. converted without a vocab) fall back to {arch}.vocab_size, then the rows.
-        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        tokens = self._fields.get("tokenizer.ggml.tokens")
         if tokens is not None:
-            config["vocab_size"] = len(tokens.data)
+            config["vocab_size"] = len(tokens.value) if isinstance(tokens.value, list) else 1
         elif self._value(f"{arch}.vocab_size") is not None:
             config["vocab_size"] = self._value(f"{arch}.vocab_size")
         elif "token_embd.weight" in self._raw:
@@ -225,10 +196,10 @@ class GGUFCheckpoint(Checkpoint):
     # --- tensors ------------------------------------------------------------------------
 
     @functools.cached_property
-    def _canonical(self) -> dict[str, tuple[ReaderTensor, str]]:
+    def _canonical(self) -> dict[str, tuple[GGUFTensorInfo, str]]:
         """HF name → (GGUF tensor, GGUF base name after ``blk.N.`` or the global base name)."""
         m, out = self._map, {}
-        for t in self._reader.tensors:
+        for t in self._raw.values():
             if t.name == ROPE_FREQS_TENSOR:
                 continue  # read into config["rope_freq_factors"], not a weight
             name = base = None
@@ -248,7 +219,7 @@ class GGUFCheckpoint(Checkpoint):
             out[name] = (t, base)
         return out
 
-    def _lookup(self, name: str) -> tuple[ReaderTensor, str]:
+    def _lookup(self, name: str) -> tuple[GGUFTensorInfo, str]:
         try:
             return self._canonical[name]
         except KeyError:
@@ -263,7 +234,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         t, _ = self._lookup(name)
-        return tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
+        return t.shape[::-1]  # GGUF lists ne0 (columns) first
 
     def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
         t, _ = self._lookup(name)
@@ -300,7 +271,7 @@ class GGUFCheckpoint(Checkpoint):
         return weight
 
     def load_tokenizer(self) -> Any:
-        if "tokenizer.ggml.model" not in self._reader.fields:
+        if "tokenizer.ggml.model" not in self._fields:
             raise CheckpointError(str(self.path), "no tokenizer: the file has no 'tokenizer.ggml.model' metadata")
         from zllm.tokenizer import Tokenizer
 
