@@ -67,6 +67,8 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("rope", ("neox",), f"{_PKG}.elementwise:rope"),
     ("rope", ("gptj",), f"{_PKG}.elementwise:rope_gptj"),
     ("silu_mul", ("f32",), f"{_PKG}.elementwise:silu_mul"),
+    ("attention", ("paged",), f"{_PKG}.paged_attention:attention"),
+    ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
 ]
 
 #: Ops of :data:`NATIVE_KERNELS` whose kernels are batch-invariant (each row alone, in a fixed
