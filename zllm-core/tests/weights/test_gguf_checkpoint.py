@@ -1,7 +1,8 @@
-"""GGUF checkpoints: config from metadata, HF names, Q/K un-permutation, formats, damaged files.
+"""GGUF checkpoints: config from metadata, HF names, the Q/K RoPE layout, formats, damaged files.
 
 The stories260k HF and GGUF files hold the same weights, so the HF checkpoint is the
-reference for every mapped name, config value and (after un-permutation) tensor.
+reference for every mapped name, config value and tensor (Q/K in llama.cpp's adjacent-pair
+row order, which the GGUF checkpoint keeps and reports as ``rope_interleaved``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from hypothesis import strategies as st
 
 from zllm.spec.errors import CheckpointError, TensorError, UnknownArchitectureError
 from zllm.weights import QuantizedTensor, open_checkpoint
-from zllm.weights.gguf_file import undo_adjacent_pair_rows
 
 CONFIG_KEYS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -35,18 +35,20 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@given(n_head=st.integers(1, 8), half_dim=st.integers(1, 8), cols=st.integers(1, 5))
-def test_undo_adjacent_pair_rows_inverts_llama_cpp_permute(n_head, half_dim, cols):
-    hf = np.arange(n_head * 2 * half_dim * cols).reshape(-1, cols)
-    gguf_rows = llama_cpp_permute(hf, n_head, None)
-    index = undo_adjacent_pair_rows(hf.shape[0], n_head)
-    assert np.array_equal(gguf_rows[index.numpy()], hf)
+def as_stored_in_gguf(name: str, hf_weight: torch.Tensor) -> torch.Tensor:
+    """An HF stories260K weight in the GGUF file's row order (Q/K permuted; 8 heads, 4 KV heads)."""
+    heads = {"self_attn.q_proj.weight": (8, 8), "self_attn.k_proj.weight": (8, 4)}
+    for suffix, (n_head, n_head_kv) in heads.items():
+        if name.endswith(suffix):
+            return torch.from_numpy(llama_cpp_permute(hf_weight.numpy(), n_head, n_head_kv))
+    return hf_weight
 
 
 def test_stories_gguf_config_matches_hf():
     hf = open_checkpoint(STORIES_HF).config
     cfg = open_checkpoint(STORIES_GGUF_F32).config
     assert {k: cfg[k] for k in CONFIG_KEYS} == {k: hf[k] for k in CONFIG_KEYS}
+    assert cfg["rope_interleaved"] is True and "rope_interleaved" not in hf
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (64, 5, 8, 4)
     assert (cfg["intermediate_size"], cfg["rms_norm_eps"], cfg["rope_theta"], cfg["vocab_size"]) == (172, 1e-5, 10000.0, 512)
     assert cfg["tie_word_embeddings"] is True
@@ -66,13 +68,13 @@ def test_stories_gguf_f32_equals_hf_exactly():
     assert set(g.tensor_names()) == set(hf.tensor_names())
     for name in hf.tensor_names():
         assert g.tensor_shape_format(name) == hf.tensor_shape_format(name), name
-        assert torch.equal(g.tensor(name), hf.tensor(name)), name
+        assert torch.equal(g.tensor(name), as_stored_in_gguf(name, hf.tensor(name))), name
 
 
 def test_stories_gguf_f16_equals_hf_rounded_to_f16():
     hf, g = open_checkpoint(STORIES_HF), open_checkpoint(STORIES_GGUF_F16)
     for name in hf.tensor_names():
-        w, ref = g.tensor(name), hf.tensor(name)
+        w, ref = g.tensor(name), as_stored_in_gguf(name, hf.tensor(name))
         if w.dtype == torch.float16:
             assert torch.equal(w, ref.to(torch.float16)), name
         else:  # norms stay f32 in llama.cpp's f16 files
@@ -110,18 +112,17 @@ def test_stories_q8_0_stays_quantized_with_the_readers_bytes():
         # Dequantize with the gguf package and compare with the f32 HF weights: a wrong row
         # order would be far off; Q8_0 rounding is at most half a step of max|block| / 127.
         deq = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType.Q8_0))
-        ref = hf.tensor(name)
+        ref = as_stored_in_gguf(name, hf.tensor(name))
         assert deq.shape == ref.shape
         assert torch.allclose(deq, ref, atol=float(ref.abs().max()) / 127), name
     assert quantized == 1 + 5 * 6  # embedding + q, k, v, o, gate, up per layer
 
 
-def test_q8_0_qk_rows_are_the_readers_rows_reordered():
+def test_q8_0_qk_rows_are_the_readers_rows_as_stored():
     ckpt = open_checkpoint(STORIES_GGUF_Q8_0)
     stored = {t.name: np.array(t.data) for t in gguf.GGUFReader(STORIES_GGUF_Q8_0).tensors}
     k = ckpt.tensor("model.layers.2.self_attn.k_proj.weight")
-    index = undo_adjacent_pair_rows(32, 4)
-    assert torch.equal(k.data, torch.from_numpy(stored["blk.2.attn_k.weight"])[index])
+    assert torch.equal(k.data, torch.from_numpy(stored["blk.2.attn_k.weight"]))
 
 
 @needs_proc
@@ -129,6 +130,8 @@ def test_gguf_tensors_are_views_of_the_file_mapping():
     ckpt = open_checkpoint(STORIES_GGUF_Q8_0)
     assert_backed_by(ckpt.tensor("model.embed_tokens.weight").data, STORIES_GGUF_Q8_0)
     assert_backed_by(ckpt.tensor("model.layers.0.mlp.down_proj.weight"), STORIES_GGUF_Q8_0)
+    assert_backed_by(ckpt.tensor("model.layers.0.self_attn.q_proj.weight").data, STORIES_GGUF_Q8_0)
+    assert_backed_by(open_checkpoint(STORIES_GGUF_F32).tensor("model.layers.1.self_attn.k_proj.weight"), STORIES_GGUF_F32)
     assert_backed_by(ckpt.tensor("model.norm.weight"), STORIES_GGUF_Q8_0)
 
 
@@ -157,17 +160,18 @@ def test_metadata_defaults_follow_llama_cpp(tmp_path):
     assert "eos_token_id" not in cfg and open_checkpoint(path).generation_config == {}
 
 
-def test_gqa_k_unpermutation_uses_head_count_kv(tmp_path):
+@pytest.mark.parametrize("arch, interleaved", [("llama", True), ("qwen2", False)])
+def test_qk_rows_are_handed_out_as_stored_and_the_config_names_the_layout(tmp_path, arch, interleaved):
     rng = np.random.default_rng(1)
-    hf_tensors = tiny_llama_tensors(rng, kv_heads=2)
-    stored = dict(hf_tensors)
-    stored["blk.0.attn_q.weight"] = llama_cpp_permute(hf_tensors["blk.0.attn_q.weight"], 4, 4)
-    stored["blk.0.attn_k.weight"] = llama_cpp_permute(hf_tensors["blk.0.attn_k.weight"], 4, 2)
-    kv = tiny_llama_kv(llama__attention__head_count_kv=(2, U32))
-    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", kv, stored))
-    assert np.array_equal(ckpt.tensor("model.layers.0.self_attn.q_proj.weight").numpy(), hf_tensors["blk.0.attn_q.weight"])
-    assert np.array_equal(ckpt.tensor("model.layers.0.self_attn.k_proj.weight").numpy(), hf_tensors["blk.0.attn_k.weight"])
-    assert np.array_equal(ckpt.tensor("model.layers.0.self_attn.v_proj.weight").numpy(), hf_tensors["blk.0.attn_v.weight"])
+    stored = tiny_llama_tensors(rng, kv_heads=2)
+    if arch == "qwen2":
+        stored |= {f"blk.0.attn_{p}.bias": rng.standard_normal(stored[f"blk.0.attn_{p}.weight"].shape[0]).astype(np.float32)
+                   for p in "qkv"}
+    kv = {k.replace("llama.", f"{arch}.", 1): v for k, v in tiny_llama_kv(llama__attention__head_count_kv=(2, U32)).items()}
+    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", arch, kv, stored))
+    assert ckpt.config.get("rope_interleaved", False) is interleaved
+    for hf_name, gguf_name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+        assert np.array_equal(ckpt.tensor(f"model.layers.0.self_attn.{hf_name}.weight").numpy(), stored[f"blk.0.{gguf_name}.weight"])
 
 
 def test_bf16_and_q4_0_tensors(tmp_path):

@@ -46,6 +46,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J interleaved pairs ``(2i, 2i + 1)`` (GGUF llama files): shapes as :func:`rope`."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, H, D/2] each
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+
+
 def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     """Causal paged attention; writes ``k``/``v`` at ``meta.slot_mapping`` first.
 

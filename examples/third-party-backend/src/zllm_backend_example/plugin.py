@@ -25,6 +25,7 @@ KERNELS: tuple[tuple[str, str, str], ...] = (
     ("rms_norm", "f32", "zllm_backend_example.kernels:rms_norm"),
     ("add_rms_norm", "f32", "zllm_backend_example.kernels:add_rms_norm"),
     ("rope", "neox", "zllm_backend_example.kernels:rope"),
+    ("rope", "gptj", "zllm_backend_example.kernels:rope_gptj"),
     ("attention", "paged", "zllm_backend_example.kernels:attention"),
     ("silu_mul", "f32", "zllm_backend_example.kernels:silu_mul"),
     ("sample", "f32", "zllm_backend_example.kernels:sample"),

@@ -83,9 +83,9 @@ class Checkpoint(abc.ABC):
     def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
         """Tensor ``name`` in its stored dtype (dense) or block format (:class:`QuantizedTensor`).
 
-        Dense tensors are backed by the file mapping (no copy), except rows reordered to
-        the canonical layout (GGUF Q/K projections), which are a copy of that one tensor.
-        Writing to a returned tensor never changes the file (mappings are copy-on-write).
+        Dense and quantized tensors are backed by the file mapping (no copy); GGUF llama Q/K
+        projections keep the file's adjacent-pair row order, which ``config["rope_interleaved"]``
+        reports. Writing to a returned tensor never changes the file (mappings are copy-on-write).
 
         Raises:
             TensorError: as :meth:`tensor_shape_format`.

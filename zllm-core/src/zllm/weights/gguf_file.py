@@ -3,7 +3,7 @@
 The reader memory-maps the file copy-on-write (``mode="c"``): tensor arrays are writable
 views of the mapping, so ``torch.from_numpy`` shares them without a copy or a read-only
 warning, and nothing written to a tensor reaches the file. Config, tensor names and the
-Q/K row order come from the declarative maps in :mod:`zllm.weights.gguf_maps`.
+Q/K RoPE layout come from the declarative maps in :mod:`zllm.weights.gguf_maps`.
 """
 
 from __future__ import annotations
@@ -42,19 +42,6 @@ GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
-
-
-def undo_adjacent_pair_rows(rows: int, n_head: int) -> torch.Tensor:
-    """int64 ``[rows]``: HF (half-rotation) row ``r`` is GGUF (adjacent-pair) row ``index[r]``.
-
-    Inverse of ``convert_hf_to_gguf.py`` ``LlamaModel.permute``, which writes
-    ``w.reshape(n_head, 2, D // 2, cols).swapaxes(1, 2)``: GGUF row ``h*D + 2*i + j`` is HF
-    row ``h*D + j*D/2 + i`` (head ``h``, rotation pair ``i``, pair half ``j``).
-    """
-    head_dim = rows // n_head
-    assert head_dim * n_head == rows and head_dim % 2 == 0, (rows, n_head)
-    gguf_rows = torch.arange(rows).reshape(n_head, head_dim // 2, 2)  # [h, i, j] = GGUF row
-    return gguf_rows.transpose(1, 2).reshape(rows)  # HF order h, j, i
 
 
 def _f32_value(value: float) -> float:
@@ -175,6 +162,8 @@ class GGUFCheckpoint(Checkpoint):
         elif "token_embd.weight" in self._raw:
             config["vocab_size"] = int(self._raw["token_embd.weight"].shape[-1])
         config["tie_word_embeddings"] = "output.weight" not in self._raw
+        if m.rope_layout == ROPE_ADJACENT_PAIR:
+            config["rope_interleaved"] = True  # Q/K rows as stored: see gguf_maps.ROPE_ADJACENT_PAIR
         for flag, base in m.bias_flags.items():
             config[flag] = any(f"blk.{i}.{base}.bias" in self._raw for i in range(config["num_hidden_layers"]))
         config.update(self._special_ids())
@@ -196,8 +185,8 @@ class GGUFCheckpoint(Checkpoint):
     # --- tensors ------------------------------------------------------------------------
 
     @functools.cached_property
-    def _canonical(self) -> dict[str, tuple[GGUFTensorInfo, str]]:
-        """HF name → (GGUF tensor, GGUF base name after ``blk.N.`` or the global base name)."""
+    def _canonical(self) -> dict[str, GGUFTensorInfo]:
+        """HF name → GGUF tensor."""
         m, out = self._map, {}
         for t in self._raw.values():
             if t.name == ROPE_FREQS_TENSOR:
@@ -216,10 +205,10 @@ class GGUFCheckpoint(Checkpoint):
                 raise TensorError(
                     str(self.path), t.name, f"no HF name in the {self.architecture!r} tensor map (mapped: {known}; .weight/.bias)"
                 )
-            out[name] = (t, base)
+            out[name] = t
         return out
 
-    def _lookup(self, name: str) -> tuple[GGUFTensorInfo, str]:
+    def _lookup(self, name: str) -> GGUFTensorInfo:
         try:
             return self._canonical[name]
         except KeyError:
@@ -233,11 +222,11 @@ class GGUFCheckpoint(Checkpoint):
         return self.path
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        t, _ = self._lookup(name)
+        t = self._lookup(name)
         return t.shape[::-1]  # GGUF lists ne0 (columns) first
 
     def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
-        t, _ = self._lookup(name)
+        t = self._lookup(name)
         fmt = GGUF_FORMATS.get(t.tensor_type)
         if fmt is None:
             raise TensorError(
@@ -248,7 +237,7 @@ class GGUFCheckpoint(Checkpoint):
         return self.tensor_shape(name), fmt
 
     def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
-        t, base = self._lookup(name)
+        t = self._lookup(name)
         shape, fmt = self.tensor_shape_format(name)
         data = torch.from_numpy(t.data)  # shares the copy-on-write mapping
         weight: torch.Tensor | QuantizedTensor
@@ -261,13 +250,6 @@ class GGUFCheckpoint(Checkpoint):
                 data = data.view(torch.bfloat16)  # the reader gives BF16 as uint8 [..., 2 * cols]
             weight = data
             assert tuple(weight.shape) == shape, (name, tuple(weight.shape), shape)
-        heads_key = self._map.rope_rows.get(base)
-        if heads_key is not None and self._map.rope_layout == ROPE_ADJACENT_PAIR:
-            n_head = self.config[heads_key]
-            if shape[0] % n_head or (shape[0] // n_head) % 2:
-                raise TensorError(str(self.path), name, f"{shape[0]} rows do not split into {n_head} heads of even size")
-            index = undo_adjacent_pair_rows(shape[0], n_head)
-            weight = weight.rows(index) if isinstance(weight, QuantizedTensor) else weight[index]
         return weight
 
     def load_tokenizer(self) -> Any:

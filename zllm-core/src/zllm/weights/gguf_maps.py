@@ -5,8 +5,8 @@ For each GGUF ``general.architecture`` this module states, as data:
 - how to build an HF-style ``config.json`` dict from the GGUF key/values, with the default
   llama.cpp uses when a key is absent;
 - the GGUF tensor name → HF tensor name map;
-- the RoPE row layout of the Q and K projections, so the weights layer can restore the HF
-  half-rotation row order.
+- the RoPE row layout of the Q and K projections, which the config reports
+  (``rope_interleaved``) so the model rotates the pairs where the file keeps them.
 
 Sources (llama.cpp, ggml-org/llama.cpp):
 
@@ -43,14 +43,17 @@ import attrs
 # The map may need a value that llama.cpp requires: no default, absence is an error.
 REQUIRED = object()
 
-# RoPE row layouts of the Q/K projection weights in a GGUF file.
+# RoPE row layouts of the Q/K projection weights (and biases) in a GGUF file.
 # HF (half-rotation, "NeoX" style): within each head, rotation pair i is rows (i, i + D/2).
 # GGUF for llama-type RoPE (Meta's original, adjacent pairs): pair i is rows (2i, 2i + 1).
 # convert_hf_to_gguf.py LlamaModel.permute turns HF into GGUF:
 #     w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-# (K uses head_count_kv when it differs from head_count). The loader applies the inverse.
+# The permutation stays inside each head and is the same for Q and K, so attention scores are
+# unchanged when RoPE rotates the adjacent pairs instead (llama.cpp's LLAMA_ROPE_TYPE_NORM):
+# the weights are handed out as stored (zero-copy) and the config says
+# "rope_interleaved": true, which the model families read as the GPT-J RoPE layout.
 ROPE_ADJACENT_PAIR = "adjacent_pair"
-ROPE_HALF_ROTATION = "half_rotation"  # already HF order: nothing to undo
+ROPE_HALF_ROTATION = "half_rotation"  # HF order: the config says nothing
 
 
 @attrs.frozen
@@ -80,8 +83,6 @@ class GGUFArchMap:
         bias_flags: HF config flag → GGUF per-block tensor whose ``.bias`` presence sets it.
         rope_layout: row layout of Q/K in the file (:data:`ROPE_ADJACENT_PAIR` or
             :data:`ROPE_HALF_ROTATION`).
-        rope_rows: GGUF per-block base name → HF config key holding that tensor's head count,
-            for the tensors whose rows follow ``rope_layout``.
     """
 
     model_type: str
@@ -91,7 +92,6 @@ class GGUFArchMap:
     block_tensors: dict[str, str]
     bias_flags: dict[str, str]
     rope_layout: str
-    rope_rows: dict[str, str]
 
 
 def _heads(config: dict[str, Any]) -> int:
@@ -138,7 +138,6 @@ LLAMA = GGUFArchMap(
     },
     bias_flags={"attention_bias": "attn_q", "mlp_bias": "ffn_up"},
     rope_layout=ROPE_ADJACENT_PAIR,
-    rope_rows={"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"},
 )
 
 
@@ -150,7 +149,6 @@ QWEN2 = GGUFArchMap(
     block_tensors=LLAMA.block_tensors,
     bias_flags={},  # q/k/v biases are part of the architecture (Qwen2Attention)
     rope_layout=ROPE_HALF_ROTATION,
-    rope_rows={},
 )
 
 QWEN3 = GGUFArchMap(
@@ -161,7 +159,6 @@ QWEN3 = GGUFArchMap(
     block_tensors={**LLAMA.block_tensors, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     bias_flags={"attention_bias": "attn_q"},
     rope_layout=ROPE_HALF_ROTATION,
-    rope_rows={},
 )
 
 ARCH_MAPS: dict[str, GGUFArchMap] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}

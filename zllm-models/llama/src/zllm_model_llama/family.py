@@ -60,12 +60,14 @@ class LlamaFamily:
         head_fmt = weight_formats.get("lm_head.weight", embed_fmt) if not spec.tie_word_embeddings else embed_fmt
         linear_fmts = {fmt for name, fmt in weight_formats.items() if name.endswith("_proj.weight")} | {head_fmt}
         return _capabilities(embed_fmt, linear_fmts, full=None in spec.layer_windows,
-                             sliding=any(w is not None for w in spec.layer_windows))
+                             sliding=any(w is not None for w in spec.layer_windows), ropes={spec.rope_variant})
 
     def format_capabilities(self, fmt: str) -> frozenset[Capability]:
         # The most any checkpoint of this family may need when all its weights are stored in
         # ``fmt`` (used by ``zllm compat``): a cell it calls declared never fails at load.
-        return _capabilities(fmt, {fmt}, full=True, sliding=self.rules.sliding != "none")
+        # Both RoPE layouts: HF checkpoints rotate half-rotation pairs, GGUF llama files
+        # adjacent pairs, in every format.
+        return _capabilities(fmt, {fmt}, full=True, sliding=self.rules.sliding != "none", ropes={"neox", "gptj"})
 
     def build(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any) -> LlamaModel:
         return LlamaModel(spec, weights, ops)
@@ -92,9 +94,10 @@ class Qwen3Family(LlamaFamily):
     rules = QWEN3
 
 
-def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bool) -> frozenset[Capability]:
+def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bool,
+                  ropes: set[str]) -> frozenset[Capability]:
     """The one place that lists what a llama-style model needs: the weight ops in their
-    formats, the attention variants its layers use, and the fixed math ops. Shared by
+    formats, the attention variants its layers use, the RoPE layouts, and the fixed math ops. Shared by
     ``required_capabilities`` and ``format_capabilities`` so the compatibility matrix and
     the load-time check cannot disagree."""
     return frozenset(
@@ -102,6 +105,7 @@ def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bo
         | {Capability("linear", fmt) for fmt in linear_fmts}
         | ({Capability("attention", "paged")} if full else set())
         | ({Capability("attention_sliding", "paged")} if sliding else set())
-        | {Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"), Capability("rope", "neox"),
-           Capability("silu_mul", "f32"), Capability("sample", "f32")}
+        | {Capability("rope", variant) for variant in ropes}
+        | {Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"), Capability("silu_mul", "f32"),
+           Capability("sample", "f32")}
     )

@@ -19,6 +19,11 @@ Qwen2/Qwen3 (``Qwen2Config.__post_init__``): the window is ``sliding_window`` on
 ``i >= max_window_layers`` (default 28) when a window is set, else ``full_attention``.
 Mistral ignores ``layer_types`` (transformers only warns about it). ``head_dim`` defaults to
 ``hidden_size // num_attention_heads``, except Qwen3 whose config class defaults it to 128.
+
+RoPE layout: HF checkpoints rotate pairs ``(i, i + D/2)`` of each head (``rope[neox]``). A
+config with ``rope_interleaved: true`` — what zllm's GGUF reader reports for llama files, whose
+Q/K rows llama.cpp's converter permuted into adjacent pairs — rotates pairs ``(2i, 2i + 1)``
+(``rope[gptj]``, llama.cpp's ``LLAMA_ROPE_TYPE_NORM``) on the rows as stored.
 """
 
 from __future__ import annotations
@@ -80,6 +85,12 @@ class LlamaSpec:
     mlp_bias: bool
     qk_norm: bool
     layer_windows: tuple[int | None, ...]
+    rope_interleaved: bool = False
+
+    @property
+    def rope_variant(self) -> str:
+        """The ``rope`` capability variant: ``gptj`` for interleaved pairs, else ``neox``."""
+        return "gptj" if self.rope_interleaved else "neox"
 
     @property
     def q_size(self) -> int:
@@ -166,6 +177,9 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
         raise CheckpointError(source, str(e)) from None
     if rope.freq_factors is not None and len(rope.freq_factors) != head_dim // 2:
         raise CheckpointError(source, f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim} (need {head_dim // 2})")
+    interleaved = cfg.get("rope_interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise CheckpointError(source, f"rope_interleaved {interleaved!r} is not true or false")
     return LlamaSpec(
         model_type=rules.model_type,
         vocab_size=need("vocab_size"),
@@ -184,4 +198,5 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
         mlp_bias=_flag(cfg, rules.mlp_bias),
         qk_norm=rules.qk_norm,
         layer_windows=_layer_windows(cfg, rules, num_layers, context_length, source),
+        rope_interleaved=interleaved,
     )
