@@ -1,5 +1,6 @@
 /* Shared by the native kernels of zllm-backend-cpu (gemv.c, elementwise.c, attention.c):
- * inlining, horizontal sums, and loads of 8 (or 1) stored values as f32 lanes.
+ * inlining, horizontal sums, loads of 8 (or 1) stored values as f32 lanes, stores of 8 lanes
+ * to 16-bit types, and e^x for 8 lanes.
  *
  * Every file is built with -mavx2 -mfma -mf16c (not -march=native), so
  * zllm_native_cpu_missing() (library.c) can check at load time exactly what the code needs.
@@ -54,6 +55,33 @@ INLINE void store8_bf16(uint16_t *p, __m256 v) {
 }
 INLINE void store8_f16(uint16_t *p, __m256 v) {
     _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* e^x for 8 lanes, max error 1 ulp over the whole f32 range (subnormal results included);
+ * NaN stays NaN, e^-inf = 0. Sleef's xexpf (expf_u10): x = n ln2 + r, |r| <= ln2 / 2, with
+ * ln2 split in two (Cody-Waite), e^r by a degree-6 polynomial, then * 2^n in two steps so
+ * that each factor stays a normal number. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x); /* operand order keeps NaN: e^-104 < 2^-150 rounds to 0 */
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);   /* e^89 > FLT_MAX: still inf */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.442695040888963407359924681001892137f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187045e-06f), r);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(r, r), u, r));
+    /* * 2^n as 2^(n >> 1) * 2^(n - (n >> 1)): n in [-150, 129], each half a normal power of two */
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(u, p1), p2);
 }
 
 #endif

@@ -17,9 +17,8 @@
  *   rope: out[i] = x[i] c - x[j] s and out[j] = x[j] c + x[i] s, each product rounded, then
  *     the sum (j = i + D/2 for neox, pairs (2i, 2i + 1) for gptj) — exactly the torch kernel's
  *     arithmetic;
- *   silu_mul: g / (1 + exp(-g)) * u with a vectorized exp (Cephes' expf: range reduction by
- *     ln 2 in two parts and a degree-5 polynomial, ~1 ulp), so within a few ulp of torch's
- *     silu.
+ *   silu_mul: g / (1 + exp(-g)) * u with the vectorized exp of common.h (max error 1 ulp),
+ *     so within a few ulp of torch's silu.
  *
  * Threads: rows are split across OpenMP threads (torch's pool) only when a call has at least
  * PARALLEL_MIN elements: below that, waking a second thread costs more than the work.
@@ -158,27 +157,6 @@ void zllm_rope_gptj(const float *x, int64_t ts, int64_t hs, const float *cos, in
 }
 
 /* ---- SiLU-and-mul ---- */
-
-/* exp(x) for 8 lanes: Cephes expf (x = n ln2 + r, |r| <= ln2 / 2, degree-5 polynomial in r,
- * times 2^n). Inputs are clamped to [-88.38, 88.38]; exp of the low end is 0. NaN stays NaN
- * (min/max return their second operand when one is NaN). */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
-    x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x);
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
 
 /* zllm_silu_mul: gate, up [T, N] (row strides gs, us) -> y = silu(gate) * up [T, N]. */
 void zllm_silu_mul(const float *gate, int64_t gs, const float *up, int64_t us, float *y, int64_t t, int64_t n,
