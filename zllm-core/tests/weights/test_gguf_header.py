@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weights_helpers import (
-    MODELS, STORIES_GGUF_F32, STORIES_GGUF_Q8_0, assert_backed_by, tiny_llama_kv, tiny_llama_tensors, write_gguf,
+    MODELS, STORIES_GGUF_F32, STORIES_GGUF_Q8_0, assert_backed_by, finish_gguf, tiny_llama_kv, tiny_llama_tensors, write_gguf,
 )  # fmt: skip
 
 from zllm.spec.errors import CheckpointError, TensorError
@@ -103,16 +103,7 @@ def _write_every_value(path: Path, tensors: dict[str, Any] | None = None, **writ
     w = gguf.GGUFWriter(str(path), "llama", **writer_args)
     for key, (value, vtype, *sub) in EVERY_VALUE.items():
         w.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
-    for name, t in (tensors or {}).items():
-        if isinstance(t, tuple):
-            w.add_tensor(name, t[0], raw_dtype=t[1])
-        else:
-            w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path, tensors or {})
 
 
 def _every_tensor_type() -> dict[str, Any]:

@@ -49,6 +49,11 @@ def write_gguf(path: Path, arch: str, kv: dict[str, tuple[Any, gguf.GGUFValueTyp
             w.add_array(key, value)
         else:
             w.add_key_value(key, value, vtype)
+    return finish_gguf(w, path, tensors)
+
+
+def finish_gguf(w: gguf.GGUFWriter, path: Path, tensors: dict[str, Any]) -> Path:
+    """Add ``tensors`` (as :func:`write_gguf` takes them) to ``w`` after its key/values, write and close the file."""
     for name, t in tensors.items():
         if isinstance(t, tuple):
             w.add_tensor(name, t[0], raw_dtype=t[1])
