@@ -109,52 +109,57 @@ ADD_RMS_NORM(f16, uint16_t)
 
 /* ---- RoPE ---- */
 
-/* zllm_rope_<layout>: x [T, H, D] (token stride ts, head stride hs), cos/sin [T, D/2] (row
- * strides cs, ss) -> y [T, H, D] contiguous. */
-void zllm_rope_neox(const float *x, int64_t ts, int64_t hs, const float *cos, int64_t cs, const float *sin,
-                    int64_t ss, float *y, int64_t t, int64_t nh, int64_t d, int threads) {
-    const int64_t half = d / 2;
-    const int nth = team(threads, t, nh * d);
-    _Pragma("omp parallel for num_threads(nth) if (nth > 1)")
-    for (int64_t r = 0; r < t; r++) {
-        const float *c = cos + r * cs, *s = sin + r * ss;
-        for (int64_t h = 0; h < nh; h++) {
-            const float *xi = x + r * ts + h * hs, *xj = xi + half;
-            float *yi = y + (r * nh + h) * d, *yj = yi + half;
-            int64_t i = 0;
-            for (; i + 8 <= half; i += 8) {
-                const __m256 a = _mm256_loadu_ps(xi + i), b = _mm256_loadu_ps(xj + i);
-                const __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
-                _mm256_storeu_ps(yi + i, _mm256_sub_ps(_mm256_mul_ps(a, vc), _mm256_mul_ps(b, vs)));
-                _mm256_storeu_ps(yj + i, _mm256_add_ps(_mm256_mul_ps(b, vc), _mm256_mul_ps(a, vs)));
-            }
-            for (; i < half; i++) {
-                const float a = xi[i], b = xj[i];
-                yi[i] = a * c[i] - b * s[i];
-                yj[i] = b * c[i] + a * s[i];
-            }
-        }
+/* One head: neox rotates pairs (i, i + D/2), gptj pairs (2i, 2i + 1); half = D / 2. */
+INLINE void rope_head_neox(const float *x, const float *c, const float *s, float *y, int64_t half) {
+    const float *xj = x + half;
+    float *yj = y + half;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(xj + i);
+        const __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+        _mm256_storeu_ps(y + i, _mm256_sub_ps(_mm256_mul_ps(a, vc), _mm256_mul_ps(b, vs)));
+        _mm256_storeu_ps(yj + i, _mm256_add_ps(_mm256_mul_ps(b, vc), _mm256_mul_ps(a, vs)));
+    }
+    for (; i < half; i++) {
+        const float a = x[i], b = xj[i];
+        y[i] = a * c[i] - b * s[i];
+        yj[i] = b * c[i] + a * s[i];
     }
 }
 
-void zllm_rope_gptj(const float *x, int64_t ts, int64_t hs, const float *cos, int64_t cs, const float *sin,
-                    int64_t ss, float *y, int64_t t, int64_t nh, int64_t d, int threads) {
-    const int64_t half = d / 2;
-    const int nth = team(threads, t, nh * d);
-    _Pragma("omp parallel for num_threads(nth) if (nth > 1)")
-    for (int64_t r = 0; r < t; r++) {
-        const float *c = cos + r * cs, *s = sin + r * ss;
-        for (int64_t h = 0; h < nh; h++) {
-            const float *xr = x + r * ts + h * hs;
-            float *yr = y + (r * nh + h) * d;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = xr[2 * i], b = xr[2 * i + 1];
-                yr[2 * i] = a * c[i] - b * s[i];
-                yr[2 * i + 1] = b * c[i] + a * s[i];
-            }
-        }
+INLINE void rope_head_gptj(const float *x, const float *c, const float *s, float *y, int64_t half) {
+    int64_t i = 0;
+    for (; i + 4 <= half; i += 4) { /* 4 pairs: lanes (a0 b0 a1 b1 ...), cos / sin duplicated per pair */
+        const __m128 c4 = _mm_loadu_ps(c + i), s4 = _mm_loadu_ps(s + i);
+        const __m256 vc = _mm256_set_m128(_mm_unpackhi_ps(c4, c4), _mm_unpacklo_ps(c4, c4));
+        const __m256 vs = _mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4));
+        const __m256 v = _mm256_loadu_ps(x + 2 * i);
+        const __m256 swapped = _mm256_permute_ps(v, 0xB1); /* (b0 a0 b1 a1 ...) */
+        /* even lanes a c - b s, odd lanes b c + a s: the scalar roundings */
+        _mm256_storeu_ps(y + 2 * i, _mm256_addsub_ps(_mm256_mul_ps(v, vc), _mm256_mul_ps(swapped, vs)));
+    }
+    for (; i < half; i++) {
+        const float a = x[2 * i], b = x[2 * i + 1];
+        y[2 * i] = a * c[i] - b * s[i];
+        y[2 * i + 1] = b * c[i] + a * s[i];
     }
 }
+
+/* zllm_rope_<layout>: x [T, H, D] (token stride ts, head stride hs), cos/sin [T, D/2] (row
+ * strides cs, ss) -> y [T, H, D] contiguous. */
+#define ROPE(LAYOUT)                                                                            \
+void zllm_rope_##LAYOUT(const float *x, int64_t ts, int64_t hs, const float *cos, int64_t cs,   \
+                        const float *sin, int64_t ss, float *y, int64_t t, int64_t nh, int64_t d, \
+                        int threads) {                                                          \
+    const int nth = team(threads, t, nh * d);                                                   \
+    _Pragma("omp parallel for num_threads(nth) if (nth > 1)")                                   \
+    for (int64_t r = 0; r < t; r++)                                                             \
+        for (int64_t h = 0; h < nh; h++)                                                        \
+            rope_head_##LAYOUT(x + r * ts + h * hs, cos + r * cs, sin + r * ss, y + (r * nh + h) * d, d / 2); \
+}
+
+ROPE(neox)
+ROPE(gptj)
 
 /* ---- SiLU-and-mul ---- */
 
