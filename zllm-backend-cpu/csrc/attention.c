@@ -55,7 +55,8 @@
  * the cache (and so does one whose scratch cannot be allocated).
  *
  * Threads: OpenMP with the caller's thread count (torch's; the library shares torch's
- * libgomp, see gemv.c), at most one per item; items are handed out one at a time in
+ * libgomp, see gemv.c), at most one per item, and one for a call of fewer than
+ * ATTENTION_PARALLEL_MIN score multiply-adds; items are handed out one at a time in
  * (row, KV head) order, so rows of unequal length balance. Each thread keeps its scratch
  * from call to call, grown to the largest a call needed.
  */
@@ -67,6 +68,8 @@
 #define KEYS_CHUNK 64                 /* keys per chunk that all query heads of a group use (multiple of 8) */
 #define PREFETCH_KEYS 16              /* keys ahead whose K / V rows are prefetched (8-32 measured alike) */
 #define WRITE_PARALLEL_MIN (1 << 16)  /* values a KV write needs before it uses threads */
+#define ATTENTION_PARALLEL_MIN (1 << 16)  /* score multiply-adds (keys x H x D) a call needs before it
+                                          * uses threads: below, waking a thread costs more than the work */
 
 /* ---- vector helpers ---- */
 
@@ -260,15 +263,16 @@ void zllm_paged_decode_attention_##NAME(const float *q, int64_t q_ts, int64_t q_
                                         float scale, float *out, int threads) {                 \
     if (n <= 0 || h <= 0 || hkv <= 0 || d <= 0 || bs <= 0 || h % hkv) return;                   \
     const int64_t g = h / hkv, items = n * hkv;                                                 \
-    int64_t max_lp = 8;                                                                         \
+    int64_t max_lp = 8, work = 0;                                                               \
     for (int64_t r = 0; r < n; r++) {                                                           \
         const int64_t l = ctx_lens[r], lw = window > 0 && l > window ? window : l;              \
         const int64_t lp = (lw + 7) & ~(int64_t)7;                                              \
         if (lp > max_lp) max_lp = lp;                                                           \
+        work += (lw > 0 ? lw : 0) * h * d;                                                      \
     }                                                                                           \
     int nth = threads < items ? threads : (int)items;                                          \
     nth = nth < MAX_THREADS ? nth : MAX_THREADS;                                                \
-    nth = nth > 1 ? nth : 1;                                                                    \
+    nth = nth > 1 && work >= ATTENTION_PARALLEL_MIN ? nth : 1;                                  \
     _Pragma("omp parallel num_threads(nth) if (nth > 1)")                                      \
     {                                                                                           \
         /* per thread: offsets [max_lp] int64, then scores [G, max_lp] f32 */                 \

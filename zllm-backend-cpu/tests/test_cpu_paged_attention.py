@@ -209,3 +209,20 @@ def test_layers_sharing_one_metadata_each_match_reference(lens):
         meta = meta or m
         got, expected = run_and_compare(attention, ref_attention, q, k, v, k_cache, v_cache, meta)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [[(1, 3)], [(1, 2500), (1, 1031)]])
+def test_small_calls_run_on_one_thread_and_large_ones_on_two_with_the_same_bits(lens):
+    """Below ATTENTION_PARALLEL_MIN multiply-adds the call stays on one thread; either way the
+    bits do not depend on the thread count."""
+    q, k, v, k_cache, v_cache, meta = build(8, 2, 64, 16, lens, torch.float32, 5)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], ref_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta), atol=1e-5, rtol=1e-5)
