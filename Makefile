@@ -22,7 +22,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# The CPU backend compiles its native GEMV library at install: a changed source reinstalls it.
+# The CPU backend compiles its native kernel library at install: a changed source reinstalls it.
 $(VENV)/.installed: $(BIN)/python $(foreach d,$(DISTS),$(d)/pyproject.toml) zllm-backend-cpu/setup.py $(wildcard zllm-backend-cpu/csrc/*)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet $(foreach d,$(DISTS),-e $(d))
