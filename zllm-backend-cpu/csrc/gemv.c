@@ -1,27 +1,49 @@
 /* Native GEMV kernels for decode steps: y[T, N] = x[T, K] @ W[N, K]^T (+ bias), x and y f32.
  *
  * Batch-1 decode reads every weight once per token, so a GEMV is bound by memory bandwidth:
- * each kernel streams the weight once, keeps it in its storage format (f32, bf16, f16, GGUF
- * Q8_0 / Q4_0 blocks), converts it to f32 in registers and accumulates in f32 with AVX2 FMA.
- * Block layouts follow ggml's ggml-common.h (Q8_0: f16 d + 32 int8, w = d * q; Q4_0: f16 d +
- * 16 bytes, byte j = weight j in its low nibble and weight j + 16 in its high nibble,
- * w = d * (q - 8)).
+ * each kernel streams the weight once and keeps it in its storage format (f32, bf16, f16,
+ * GGUF Q8_0 / Q4_0 blocks). Dense weights are converted to f32 in registers and accumulated
+ * in f32 with AVX2 FMA. Block layouts follow ggml's ggml-common.h (Q8_0: f16 d + 32 int8,
+ * w = d * q; Q4_0: f16 d + 16 bytes, byte j = weight j in its low nibble and weight j + 16
+ * in its high nibble, w = d * (q - 8)).
  *
- * Numerics: every output element y[t, n] is reduced in one fixed order that depends only on
+ * Q8_0 / Q4_0 take integer dot products: converting every int8 / nibble to f32 made the loop
+ * instruction-bound (~12 cycles a Q8_0 block, 8.4 GB/s on one core). Instead x is quantized
+ * once per call to int16 per block of 32 in-features b: s_b = max|x_b| / 32767 and
+ * q_i = round(x_i / s_b) (to nearest even, |q_i| <= 32767; s_b = 0 and q = 0 for a block of
+ * zeros or one whose scale underflows to 0; s_b = NaN for a block holding a NaN or an
+ * infinity, so every output of that token is NaN). Per weight block the weights are widened
+ * to int16 (Q4_0: nibble - 8) and multiplied with _mm256_madd_epi16: the block's 32 products
+ * land exactly in 8 int32 lanes (4 products a lane, |lane| <= 4 * 128 * 32767 < 2^24, so also
+ * exact as f32), which are converted to f32 and scaled by d_w * s_b (one FMA).
+ *
+ * Numerics: dense formats: f32 products of the exactly converted weights, only the summation
+ * order differs from the f32 reference (~1e-6 relative). Q8_0 / Q4_0: against the exact
+ * product with the dequantized weights w,
+ *     |y - y_ref| <= sum over blocks b of (s_b / 2) * sum_(i in b) |w_i|   (plus f32 rounding),
+ * since |x_i - s_b q_i| <= s_b / 2; the f32 rounding is that of x_i / s_b (2^-24 |x_i|), of
+ * d_w * s_b, and of the f32 sum over the K / 32 blocks (and, where d_w * s_b is subnormal,
+ * 2^-150 of the block's integer sum). For x of similar magnitudes within a block that is
+ * about 1e-5 relative (llama.cpp's int8 activations: ~1e-3).
+ *
+ * Order: every output element y[t, n] is reduced in one fixed order that depends only on
  * the format and K (never on T, N, the row's position, the thread split or the other rows):
  *   dense: four 8-lane accumulators over chunks of 32 in-features (accumulator i takes
  *          in-features k with k % 32 in [8i, 8i + 8)), the last 0-3 whole chunks of 8 into
  *          accumulators 0, 1, 2, then (a0 + a2) + (a1 + a3), a fixed horizontal sum, the
  *          K % 8 tail one fused multiply-add at a time, then + bias;
- *   Q8_0 / Q4_0: per 32-weight block an 8-lane sum of q * x over its four chunks of 8,
- *          scaled by the block's d into one of two 8-lane accumulators (even / odd blocks;
- *          one FMA), then a0 + a1, the horizontal sum and + bias.
+ *   Q8_0 / Q4_0: per 32-weight block the 8 exact int32 lanes above, converted and scaled
+ *          by d_w * s_b into one of two 8-lane accumulators (even / odd blocks; one FMA),
+ *          then a0 + a1, the horizontal sum and + bias; x's quantization depends only on
+ *          the token's own row.
  * So a row of y is bit-identical whatever else is in the batch (batch-invariant).
  *
  * Order: one weight row at a time, for every token, so each thread streams one contiguous
  * range of the weight front to back (what the hardware prefetchers follow best; interleaving
  * rows makes many short streams, measured 10-40% slower from DRAM). Up to TOKENS_MAX tokens
- * share one conversion of the weights; the row stays in L1/L2 for the next tokens.
+ * share one conversion of the weights; the row stays in L1/L2 for the next tokens. The
+ * quantized x (T x K int16 + T x K / 32 scales) is written once per call before the rows,
+ * split over the threads, on the stack when small and from malloc otherwise.
  *
  * Threads: OpenMP, with the caller's thread count (torch's). The library is loaded after
  * torch, so it binds to the libgomp torch already loaded: one thread pool for both, and no
@@ -34,17 +56,21 @@
  */
 #include "common.h"
 
+#include <stdlib.h>
+
 #define TOKENS_MAX 2              /* tokens sharing one conversion of a weight row */
 #define CHUNK_BYTES (64 << 10)    /* weight bytes per work item of the thread split */
-#define PREFETCH_BYTES 512
+#define PREFETCH_BYTES 512        /* dense formats */
+#define QUANT_PREFETCH_BYTES 2048 /* Q8_0 / Q4_0 */
 
-/* Prefetch the cache lines PREFETCH_BYTES ahead of the `bytes` at p: the GEMV loops retire
- * few bytes per instruction (bf16, Q8_0), so the out-of-order window alone keeps too few
- * cache misses in flight; 512 bytes ahead measured 3-8% faster from DRAM than none, and
- * more than 1 KB no better. */
-#define PREFETCH(p, bytes)                                                                     \
+/* Prefetch the cache lines `ahead` bytes after the `bytes` at p: the GEMV loops retire few
+ * bytes per instruction (bf16, Q8_0, Q4_0), so the out-of-order window alone keeps too few
+ * cache misses in flight. Dense: 512 bytes ahead measured 3-8% faster from DRAM than none,
+ * and more than 1 KB no better. Q8_0 / Q4_0 (34 / 18 bytes a block): 2 KB ahead measured
+ * 5-15% faster than 512 bytes (one thread), 4 KB no better. */
+#define PREFETCH(p, ahead, bytes)                                                              \
     for (int pf_ = 0; pf_ < (int)(bytes); pf_ += 64)                                           \
-        _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf_, _MM_HINT_T0)
+        _mm_prefetch((const char *)(p) + (ahead) + pf_, _MM_HINT_T0)
 
 /* One weight row (w) times TT tokens of x (row stride xs) -> y[t * ldy]; TT is a constant at
  * each call, so the accumulators stay in registers. */
@@ -56,7 +82,7 @@ INLINE void dot_##NAME(const WT *w, const float *x, int64_t xs, const float *bia
         for (int i = 0; i < 4; i++) a[t][i] = _mm256_setzero_ps();                              \
     int64_t j = 0;                                                                              \
     for (; j + 32 <= k; j += 32) {                                                              \
-        PREFETCH(w + j, 32 * sizeof(WT));                                                       \
+        PREFETCH(w + j, PREFETCH_BYTES, 32 * sizeof(WT));                                       \
         __m256 wv[4];                                                                           \
         for (int i = 0; i < 4; i++) wv[i] = load8_##NAME(w + j + 8 * i);                        \
         for (int t = 0; t < TT; t++)                                                            \
@@ -81,31 +107,66 @@ DENSE_DOT(f32, float)
 DENSE_DOT(bf16, uint16_t)
 DENSE_DOT(f16, uint16_t)
 
-/* ---- block-quantized weights (32 per block) ---- */
+/* ---- block-quantized weights (32 per block), int16 activations ---- */
 
-/* A block's 32 quantized weights as four 8-lane f32 vectors, in order. */
-INLINE void block_q8_0(const uint8_t *b, __m256 q[4]) {
-    const uint8_t *qs = b + 2;
-    for (int i = 0; i < 4; i++)
-        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i))));
+INLINE float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
 }
-INLINE void block_q4_0(const uint8_t *b, __m256 q[4]) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 2));
-    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m), eight);                     /* weights 0..15 */
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), eight);  /* weights 16..31 */
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+
+/* One activation block: 32 values of x -> q (int16, q = round(x / s) to nearest even, the
+ * MXCSR default; |q| <= 32767) and the scale s = max|x| / 32767. A block of zeros, or one
+ * whose max|x| is so small that s underflows to 0, gets s = 0 and q = 0; a block holding a
+ * NaN or an infinity gets s = NaN and q = 0 (so every output it touches is NaN). */
+static void quantize_block(const float *x, int16_t *q, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 v[4], m = zero, bad = zero;
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        bad = _mm256_add_ps(bad, _mm256_mul_ps(v[i], zero)); /* 0, or NaN for NaN / inf */
+    }
+    const float sb = hmax(m) / 32767.0f + hsum(bad);
+    *s = sb;
+    __m256i *qb = (__m256i *)q;
+    if (!(sb > 0.0f)) { /* zeros, an underflowing scale, or NaN */
+        _mm256_storeu_si256(qb, _mm256_setzero_si256());
+        _mm256_storeu_si256(qb + 1, _mm256_setzero_si256());
+        return;
+    }
+    const __m256 sv = _mm256_set1_ps(sb);
+    for (int i = 0; i < 2; i++) {
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_div_ps(v[2 * i], sv));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_div_ps(v[2 * i + 1], sv));
+        /* packs interleaves 128-bit lanes (lo0-3 hi0-3 lo4-7 hi4-7): restore the order */
+        _mm256_storeu_si256(qb + i, _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+}
+
+/* A block's 32 quantized weights as two 16-lane int16 vectors, in order. */
+INLINE void block_q8_0(const uint8_t *b, __m256i q[2]) {
+    q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2)));
+    q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18)));
+}
+INLINE void block_q4_0(const uint8_t *b, __m256i q[2]) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 2)));
+    const __m256i eight = _mm256_set1_epi16(8);
+    q[0] = _mm256_sub_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x0F)), eight); /* weights 0..15 */
+    q[1] = _mm256_sub_epi16(_mm256_srli_epi16(v, 4), eight);                       /* weights 16..31 */
 }
 
 INLINE float block_d(const uint8_t *b) { return _cvtsh_ss((uint16_t)(b[0] | b[1] << 8)); }
 
-/* As DENSE_DOT, block by block. */
+/* One weight row times TT tokens of quantized x (token t: values xq + t * k, scales
+ * xs + t * k / 32) -> y[t * ldy]. Per block: the exact integer sum of q_w * q_x in 8 int32
+ * lanes (two madds: 4 products a lane, |lane| <= 4 * 128 * 32767 < 2^24, so also exact as
+ * f32), converted and scaled by d_w * s_x into one of two 8-lane accumulators (even / odd
+ * blocks; one FMA). The weights are widened once for all TT tokens. */
 #define QUANT_DOT(NAME, BLOCK_BYTES)                                                           \
-INLINE void dot_##NAME(const uint8_t *w, const float *x, int64_t xs, const float *bias, float *y, \
-                       int64_t ldy, int64_t k, const int TT) {                                  \
+INLINE void dot_##NAME(const uint8_t *w, const int16_t *xq, const float *xs, int64_t k,         \
+                       const float *bias, float *y, int64_t ldy, const int TT) {                \
     __m256 a[TOKENS_MAX][2];                                                                    \
     for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();                       \
     const int64_t nb = k / 32;                                                                  \
@@ -113,17 +174,15 @@ INLINE void dot_##NAME(const uint8_t *w, const float *x, int64_t xs, const float
         for (int h = 0; h < 2; h++) { /* even block -> a[t][0], odd -> a[t][1] */              \
             if (b + h >= nb) break;                                                             \
             const uint8_t *blk = w + (b + h) * (BLOCK_BYTES);                                   \
-            PREFETCH(blk, BLOCK_BYTES);                                                         \
-            __m256 q[4];                                                                        \
+            PREFETCH(blk, QUANT_PREFETCH_BYTES, BLOCK_BYTES);                                   \
+            __m256i q[2];                                                                       \
             block_##NAME(blk, q);                                                               \
-            const __m256 d = _mm256_set1_ps(block_d(blk));                                      \
+            const float d = block_d(blk);                                                       \
             for (int t = 0; t < TT; t++) {                                                      \
-                const float *xb = x + t * xs + (b + h) * 32;                                    \
-                __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));                            \
-                s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);                          \
-                s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);                         \
-                s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);                         \
-                a[t][h] = _mm256_fmadd_ps(d, s, a[t][h]);                                       \
+                const __m256i *xb = (const __m256i *)(xq + t * k + (b + h) * 32);               \
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(xb)), \
+                                                   _mm256_madd_epi16(q[1], _mm256_loadu_si256(xb + 1))); \
+                a[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xs[t * nb + b + h]), a[t][h]); \
             }                                                                                   \
         }                                                                                       \
     for (int t = 0; t < TT; t++) {                                                              \
@@ -137,69 +196,131 @@ QUANT_DOT(q4_0, 18)
 
 /* ---- rows [r0, r1) for all T tokens: pairs of tokens, then a last single one ---- */
 
-#define ROWS(NAME, WT)                                                                          \
-static void rows_##NAME(const WT *w, int64_t ws, const float *x, int64_t xs, const float *bias, \
-                        float *y, int64_t t_total, int64_t n, int64_t k, int64_t r0, int64_t r1) { \
+/* One call's operands; xq / xsc: x quantized per block (block formats only, else NULL). */
+typedef struct {
+    const void *w;
+    int64_t ws;
+    const float *x;
+    int64_t xs;
+    int16_t *xq;
+    float *xsc;
+    const float *bias;
+    float *y;
+    int64_t t, n, k;
+} gemv_args;
+
+#define DENSE_ROWS(NAME, WT)                                                                    \
+static void rows_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {                           \
+    const int64_t n = a->n, k = a->k, xs = a->xs;                                               \
     for (int64_t r = r0; r < r1; r++) {                                                         \
-        const WT *wr = w + r * ws;                                                              \
-        const float *br = bias ? bias + r : 0;                                                  \
+        const WT *wr = (const WT *)a->w + r * a->ws;                                            \
+        const float *br = a->bias ? a->bias + r : 0;                                            \
         int64_t t = 0;                                                                          \
-        for (; t + 2 <= t_total; t += 2) dot_##NAME(wr, x + t * xs, xs, br, y + t * n + r, n, k, 2); \
-        if (t < t_total) dot_##NAME(wr, x + t * xs, xs, br, y + t * n + r, n, k, 1);            \
+        for (; t + 2 <= a->t; t += 2) dot_##NAME(wr, a->x + t * xs, xs, br, a->y + t * n + r, n, k, 2); \
+        if (t < a->t) dot_##NAME(wr, a->x + t * xs, xs, br, a->y + t * n + r, n, k, 1);         \
     }                                                                                           \
 }
 
-ROWS(f32, float)
-ROWS(bf16, uint16_t)
-ROWS(f16, uint16_t)
-ROWS(q8_0, uint8_t)
-ROWS(q4_0, uint8_t)
+#define QUANT_ROWS(NAME)                                                                        \
+static void rows_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {                           \
+    const int64_t n = a->n, k = a->k;                                                           \
+    for (int64_t r = r0; r < r1; r++) {                                                         \
+        const uint8_t *wr = (const uint8_t *)a->w + r * a->ws;                                  \
+        const float *br = a->bias ? a->bias + r : 0;                                            \
+        int64_t t = 0;                                                                          \
+        for (; t + 2 <= a->t; t += 2)                                                           \
+            dot_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 2); \
+        if (t < a->t) dot_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 1); \
+    }                                                                                           \
+}
 
-/* ---- entry points ---- */
+DENSE_ROWS(f32, float)
+DENSE_ROWS(bf16, uint16_t)
+DENSE_ROWS(f16, uint16_t)
+QUANT_ROWS(q8_0)
+QUANT_ROWS(q4_0)
+
+/* ---- the thread split, entry points ---- */
+
+typedef void (*rows_fn)(const gemv_args *a, int64_t r0, int64_t r1);
+
+/* Quantizes x (block formats: a->xq set) and runs rows(a, r0, r1) over all N rows with at most
+ * `threads` threads (file comment: work items, one region per thread). */
+static void gemv_split(const gemv_args *a, int64_t row_bytes, int threads, rows_fn rows) {
+    const int64_t n = a->n, nb = a->k / 32, xblocks = a->xq ? a->t * nb : 0;
+    int64_t items = (n * (row_bytes > 0 ? row_bytes : 1) + CHUNK_BYTES - 1) / CHUNK_BYTES;
+    items = items < n ? (items > 1 ? items : 1) : n;
+    int nth = threads < items ? threads : (int)items;
+    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+    /* as many items per thread for every thread, then equal rows per item: a weight of a
+     * few items (small models) is split evenly instead of one full item and one stub */
+    items = (items + nth - 1) / nth * nth;
+    const int64_t rows_per = (n + items - 1) / items;
+    items = (n + rows_per - 1) / rows_per;
+    if (nth <= 1) {
+        for (int64_t i = 0; i < xblocks; i++) /* block i: token i / nb, in-features 32 * (i % nb) */
+            quantize_block(a->x + i / nb * a->xs + i % nb * 32, a->xq + 32 * i, a->xsc + i);
+        rows(a, 0, n);
+        return;
+    }
+    /* region i = items [i * per, (i + 1) * per): its own thread's stream, front to back */
+    int64_t next[MAX_THREADS];
+    const int64_t per = (items + nth - 1) / nth;
+    for (int i = 0; i < nth; i++) next[i] = i * per;
+#pragma omp parallel num_threads(nth)
+    {
+#pragma omp for schedule(static) /* ends with a barrier: x is quantized before any row */
+        for (int64_t i = 0; i < xblocks; i++)
+            quantize_block(a->x + i / nb * a->xs + i % nb * 32, a->xq + 32 * i, a->xsc + i);
+        const int id = omp_get_thread_num(); /* a smaller team still visits every region */
+        for (int v = 0; v < nth; v++) { /* own region, then help with the others' */
+            const int region = (id + v) % nth;
+            const int64_t end = (region + 1) * per < items ? (region + 1) * per : items;
+            for (;;) {
+                const int64_t c = __atomic_fetch_add(&next[region], 1, __ATOMIC_RELAXED);
+                if (c >= end) break;
+                rows(a, c * rows_per, c * rows_per + rows_per < n ? c * rows_per + rows_per : n);
+            }
+        }
+    }
+}
 
 /* zllm_gemv_<format>: w [N, K] with row stride ws (elements; bytes for the block formats),
  * x [T, K] with row stride xs (elements), bias [N] or NULL, y [T, N] contiguous; threads: at
  * most this many OpenMP threads (fewer for a small weight: one per work item at most). */
-#define GEMV_ENTRY(NAME, WT, ROW_BYTES)                                                        \
+#define DENSE_ENTRY(NAME, WT, ELEM_BYTES)                                                      \
 void zllm_gemv_##NAME(const WT *w, int64_t ws, const float *x, int64_t xs, const float *bias,   \
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {                 \
     if (n <= 0 || t <= 0) return;                                                               \
-    const int64_t row_bytes = (ROW_BYTES) > 0 ? (ROW_BYTES) : 1;                                \
-    int64_t items = (n * row_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES;                            \
-    items = items < n ? (items > 1 ? items : 1) : n;                                            \
-    int nth = threads < items ? threads : (int)items;                                           \
-    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;                                \
-    /* as many items per thread for every thread, then equal rows per item: a weight of a  \
-     * few items (small models) is split evenly instead of one full item and one stub */   \
-    items = (items + nth - 1) / nth * nth;                                                      \
-    const int64_t rows = (n + items - 1) / items;                                               \
-    items = (n + rows - 1) / rows;                                                              \
-    if (nth <= 1) {                                                                             \
-        rows_##NAME(w, ws, x, xs, bias, y, t, n, k, 0, n);                                      \
-        return;                                                                                 \
-    }                                                                                           \
-    /* region i = items [i * per, (i + 1) * per): its own thread's stream, front to back */   \
-    int64_t next[MAX_THREADS];                                                                  \
-    const int64_t per = (items + nth - 1) / nth;                                                \
-    for (int i = 0; i < nth; i++) next[i] = i * per;                                            \
-    _Pragma("omp parallel num_threads(nth)")                                                    \
-    {                                                                                           \
-        const int id = omp_get_thread_num(); /* a smaller team still visits every region */ \
-        for (int v = 0; v < nth; v++) { /* own region, then help with the others' */             \
-            const int region = (id + v) % nth;                                                  \
-            const int64_t end = (region + 1) * per < items ? (region + 1) * per : items;        \
-            for (;;) {                                                                          \
-                const int64_t c = __atomic_fetch_add(&next[region], 1, __ATOMIC_RELAXED);      \
-                if (c >= end) break;                                                            \
-                const int64_t r0 = c * rows, r1 = r0 + rows < n ? r0 + rows : n;                \
-                rows_##NAME(w, ws, x, xs, bias, y, t, n, k, r0, r1);                            \
-            }                                                                                   \
-        }                                                                                       \
-    }                                                                                           \
+    const gemv_args a = {w, ws, x, xs, 0, 0, bias, y, t, n, k};                                 \
+    gemv_split(&a, k * (ELEM_BYTES), threads, rows_##NAME);                                     \
 }
 
-GEMV_ENTRY(f32, float, k * 4)
-GEMV_ENTRY(bf16, uint16_t, k * 2)
-GEMV_ENTRY(f16, uint16_t, k * 2)
-GEMV_ENTRY(q8_0, uint8_t, k / 32 * 34)
-GEMV_ENTRY(q4_0, uint8_t, k / 32 * 18)
+DENSE_ENTRY(f32, float, 4)
+DENSE_ENTRY(bf16, uint16_t, 2)
+DENSE_ENTRY(f16, uint16_t, 2)
+
+/* The quantized x: T x K int16 values then T x K / 32 f32 scales, on the stack up to
+ * XQ_STACK_BYTES (T * K up to 7K: every decode step of a small model), else from malloc. */
+#define XQ_STACK_BYTES (16 << 10)
+
+/* Block formats (K a multiple of 32). If the quantized x cannot be allocated, y is NaN. */
+#define QUANT_ENTRY(NAME, BLOCK_BYTES)                                                         \
+void zllm_gemv_##NAME(const uint8_t *w, int64_t ws, const float *x, int64_t xs, const float *bias, \
+                      float *y, int64_t t, int64_t n, int64_t k, int threads) {                 \
+    if (n <= 0 || t <= 0) return;                                                               \
+    const size_t bytes = (size_t)(t * k) * sizeof(int16_t) + (size_t)(t * (k / 32)) * sizeof(float); \
+    _Alignas(32) unsigned char stack[XQ_STACK_BYTES];                                           \
+    unsigned char *buf = bytes <= sizeof stack ? stack : malloc(bytes);                         \
+    if (!buf) {                                                                                 \
+        for (int64_t i = 0; i < t * n; i++) y[i] = NAN;                                         \
+        return;                                                                                 \
+    }                                                                                           \
+    const gemv_args a = {w, ws, x, xs, (int16_t *)buf, (float *)(buf + (size_t)(t * k) * sizeof(int16_t)), \
+                         bias, y, t, n, k};                                                     \
+    gemv_split(&a, k / 32 * (BLOCK_BYTES), threads, rows_##NAME);                               \
+    if (buf != stack) free(buf);                                                                \
+}
+
+QUANT_ENTRY(q8_0, 34)
+QUANT_ENTRY(q4_0, 18)

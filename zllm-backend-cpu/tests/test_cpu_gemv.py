@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zllm.domain.linear import linear as ref_linear
+from zllm.domain.linear import weight_to_f32
 from zllm.kernels.registry import KernelRegistry
 from zllm.weights.formats import QuantizedTensor
 from zllm_backend_cpu import plugin
@@ -40,6 +41,28 @@ def make_weight(fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor | 
     q_range = 127 if fmt == "q8_0" else 8
     raw[..., :2] = (torch.rand(n, k // 32, 1, generator=g) / (q_range * k**0.5)).half().view(torch.uint8)
     return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
+
+
+def assert_within_quantization_bound(got: torch.Tensor, x: torch.Tensor, w: QuantizedTensor, b: torch.Tensor | None):
+    """Q8_0 / Q4_0 (``csrc/gemv.c``): x is quantized to int16 per block of 32, ``s_b = max|x_b| / 32767``,
+    so ``|y - y_ref| <= sum_b (s_b / 2) * sum_(i in b) |w_i|`` plus f32 rounding, against the exact
+    product with the dequantized weights (here in f64). The f32 rounding: the kernel's ``x / s_b`` (2^-24
+    of ``|x|`` per element), its scales ``d * s_b`` and block sums (2^-24 each) and the f32 sum over the
+    ``K / 32`` blocks: ``(K / 32 + 8) * 2^-24`` of ``sum |w| |x|`` and of the bound itself, and 2^-123 a
+    block where ``d * s_b`` is subnormal."""
+    t, k = x.shape
+    n, nb = w.shape[0], k // 32
+    wd, xd = weight_to_f32(w).double(), x.double()  # the dequantized weights are exact in f32
+    bd = torch.zeros(n, dtype=torch.float64) if b is None else b.double()
+    ref = xd @ wd.t() + bd  # [T, N]
+    s = xd.view(t, nb, 32).abs().amax(-1) / 32767  # [T, nb]
+    bound = (s / 2) @ wd.abs().view(n, nb, 32).sum(-1).t()  # [T, N]
+    magnitude = xd.abs() @ wd.abs().t() + bd.abs()
+    rounding = (nb + 8) * 2.0**-24 * (magnitude + bound) + nb * 2.0**-123
+    err = (got.double() - ref).abs()
+    worst = int((err - bound - rounding).argmax())
+    assert bool((err <= bound + rounding).all()), (
+        f"error {err.view(-1)[worst]:.3g} > bound {bound.view(-1)[worst]:.3g} + rounding {rounding.view(-1)[worst]:.3g}")
 
 
 @contextlib.contextmanager
@@ -80,8 +103,60 @@ def test_gemv_matches_reference(fmt, t, n, k_blocks, k_extra, bias, strided, see
     b = torch.randn(n, generator=g) if bias else None
     got = kernels.gemv(strided_rows(x) if strided else x, w, b)
     assert got.shape == (t, n) and got.dtype == torch.float32 and got.is_contiguous()
-    # the same f32 products of exactly converted weights, another summation order
-    torch.testing.assert_close(got, ref_linear(x, w, b), atol=1e-5, rtol=1e-5)
+    if fmt in DENSE:  # the same f32 products of exactly converted weights, another summation order
+        torch.testing.assert_close(got, ref_linear(x, w, b), atol=1e-5, rtol=1e-5)
+    else:  # x quantized to int16 per block: the analytic bound
+        assert_within_quantization_bound(got, x, w, b)
+
+
+def extreme_rows(t: int, k: int, kinds: list[str], g: torch.Generator) -> torch.Tensor:
+    """``x [T, K]`` whose 32-wide blocks each take one of ``kinds``."""
+    x = torch.randn(t, k, generator=g)
+    for i, kind in enumerate(kinds[: k // 32]):
+        blk = x[:, 32 * i:32 * i + 32]
+        if kind == "zeros":
+            blk.zero_()
+        elif kind == "huge":  # one value dwarfs the rest of its block
+            blk[:, i % 32] = 1e30
+        elif kind == "negative max":  # the largest magnitude is negative
+            blk[:, (3 * i) % 32] = -50.0
+        elif kind == "tiny":
+            blk.mul_(1e-30)
+        elif kind == "subnormal":  # the scale underflows to 0 or a subnormal
+            blk.mul_(1e-41)
+        elif kind == "one nonzero":
+            blk.zero_()
+            blk[:, (5 * i) % 32] = -3.5
+    return x
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    fmt=st.sampled_from(["q8_0", "q4_0"]),
+    kinds=st.lists(st.sampled_from(["plain", "zeros", "huge", "negative max", "tiny", "subnormal", "one nonzero"]),
+                   min_size=1, max_size=12),
+    t=st.sampled_from([1, 2, 3, 5]),
+    n=st.sampled_from([1, 7, 33, 600]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_gemv_stays_within_the_bound_for_extreme_activations(fmt, kinds, t, n, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * len(kinds)
+    w = make_weight(fmt, n, k, g)
+    x = extreme_rows(t, k, kinds, g)
+    b = torch.randn(n, generator=g) if bias else None
+    with threads(1):
+        got = kernels.gemv(x, w, b)
+        solo = torch.cat([kernels.gemv(x[i:i + 1], w, b) for i in range(t)])
+    assert_within_quantization_bound(got, x, w, b)
+    assert torch.equal(got, solo)  # batch-invariant
+    with threads(2):
+        assert torch.equal(kernels.gemv(x, w, b), solo)
+    if all(kind in ("zeros", "tiny", "subnormal") for kind in kinds):
+        assert bool(got.isfinite().all())
+    if all(kind == "zeros" for kind in kinds):  # s_b = 0: exactly the bias
+        assert torch.equal(got, torch.zeros(t, n) if b is None else b.expand(t, n))
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
@@ -102,7 +177,8 @@ def test_gemv_on_blocks_quantized_by_the_gguf_package(fmt):
     w = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, (n, k))
     decoded = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, qtype)))  # f32 [N, K]
     x = torch.randn(3, k, generator=g)
-    torch.testing.assert_close(kernels.gemv(x, w, None), x @ decoded.t(), atol=1e-4, rtol=1e-5)
+    assert torch.equal(weight_to_f32(w), decoded)
+    assert_within_quantization_bound(kernels.gemv(x, w, None), x, w, None)
 
 
 @settings(max_examples=25, deadline=None)
@@ -152,6 +228,17 @@ def test_nan_scales_and_activations_propagate():
     x[1, 5] = float("nan")
     got = kernels.gemv(x, w, None)
     assert torch.equal(got.isnan(), torch.tensor([[False] * 3 + [True] + [False] * 4, [True] * 8]))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_activation_makes_the_quantized_outputs_of_its_token_nan(fmt, value):
+    g = torch.Generator().manual_seed(4)
+    w = make_weight(fmt, 5, 96, g)
+    x = torch.randn(3, 96, generator=g)
+    x[1, 40] = value
+    got = kernels.gemv(x, w, None)
+    assert bool(got[1].isnan().all()) and bool(got[[0, 2]].isfinite().all())
 
 
 # ----------------------------------------------------------------------------- registration

@@ -4,18 +4,29 @@ Dimension legend: ``T`` tokens, ``K`` in-features, ``N`` out-features.
 
 A decode step multiplies one token (or a few: one per running sequence) by every weight, so
 it is bound by memory bandwidth: the native kernels stream each weight once in its stored
-format (f32, f16, bf16, GGUF Q8_0/Q4_0 blocks), convert it to f32 in registers and
-accumulate in f32 — no decoded copy of a tile is written and read back, and bf16 is not
-multiplied on oneDNN's compute-bound bf16 path; for f32 it streams faster than
-``torch.nn.functional.linear`` at one token. Up to :data:`GEMV_MAX_TOKENS` tokens share one
-read of the weight from memory; more tokens (prefill) take the torch kernels of
-:mod:`.linear`.
+format (f32, f16, bf16, GGUF Q8_0/Q4_0 blocks) — no decoded copy of a tile is written and
+read back, and bf16 is not multiplied on oneDNN's compute-bound bf16 path; for f32 it
+streams faster than ``torch.nn.functional.linear`` at one token. Dense weights are converted
+to f32 in registers and accumulated in f32. For Q8_0/Q4_0, ``x`` is quantized once per call
+to int16 per block of 32 in-features (``s_b = max|x_b| / 32767``, ``q = round(x / s_b)``; a
+block of zeros gets ``s_b = 0``) and each weight block takes an exact integer dot product
+(int8 / nibble - 8 weights times int16 activations), scaled by ``d_w * s_b`` in f32: half
+the instructions of converting every weight to f32, which made these formats
+instruction-bound. Up to :data:`GEMV_MAX_TOKENS` tokens share one read of the weight from
+memory; more tokens (prefill) take the torch kernels of :mod:`.linear`.
 
-Numerics: f32 products of the exactly converted weights, summed in f32 — only the summation
-order differs from the f32 reference (and for Q8_0/Q4_0 the block scale ``d`` multiplies the
-block's sum instead of each weight), so results agree with it to ~1e-6 relative. Each output
-element is reduced in one fixed order that depends only on the format and ``K``
-(``csrc/gemv.c``), so an output row is bit-identical whatever else is in the call:
+Numerics: dense formats: f32 products of the exactly converted weights, summed in f32 — only
+the summation order differs from the f32 reference, so results agree with it to ~1e-6
+relative. Q8_0/Q4_0: against the exact product with the dequantized weights ``w``::
+
+    |y - y_ref| <= sum over blocks b of (s_b / 2) * sum_(i in b) |w_i|   (plus f32 rounding)
+
+(``|x_i - s_b q_i| <= s_b / 2``; the f32 rounding is that of ``x / s_b``, of ``d_w * s_b`` and
+of the sum over the ``K / 32`` blocks), about 1e-5 relative for activations of similar
+magnitudes within a block. A NaN or infinite activation makes every quantized output of its
+token NaN. Each output element is reduced in one fixed order that depends only on the format
+and ``K``, and ``x``'s quantization only on its own row (``csrc/gemv.c``), so an output row
+is bit-identical whatever else is in the call and whatever the thread count:
 :func:`linear_gemv_invariant` is batch-invariant for any ``T``.
 """
 
