@@ -118,6 +118,7 @@ class ZllmRunner:
         import torch  # noqa: F401
         import zllm  # noqa: F401
         import zllm.engine.engine  # noqa: F401  (zllm.Engine is lazy; import it before the baseline)
+        import zllm.weights.gguf_file  # noqa: F401  (the GGUF reader, as transformers' runner resolves its model class)
         import zllm_backend_cpu  # noqa: F401
         import zllm_model_llama  # noqa: F401
 

@@ -325,11 +325,10 @@ def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, in
     bigram first); equal scores by merged token id. Same construction as transformers'
     ``generate_merges`` with ``vocab_scores``.
     """
-    ranked: list[tuple[float, int, int, str, str]] = []
+    ranked: list[tuple[float, int, int]] = []
     for tid, text in enumerate(tokens):
         for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[tid], tid, cut, left, right))
+            if text[:cut] in vocab and text[cut:] in vocab:
+                ranked.append((-scores[tid], tid, cut))
     ranked.sort()
-    return [(left, right) for _, _, _, left, right in ranked]
+    return [(tokens[tid][:cut], tokens[tid][cut:]) for _, tid, cut in ranked]

@@ -13,6 +13,7 @@ renders them.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,12 @@ class Tokenizer:
         if add_eos and not eos_token_ids:
             raise CheckpointError(source, "add_eos_token is true but the tokenizer has no EOS token")
         hf.post_processor = None
-        hf.encode_special_tokens = False
         self._hf = hf
-        # A second copy with encode_special_tokens set, instead of toggling shared state per call,
-        # so concurrent encodes cannot see each other's setting.
-        self._hf_text_specials = HFTokenizer.from_str(hf.to_str())
-        self._hf_text_specials.encode_special_tokens = True
+        # Whether special-token text is parsed is the tokenizer's own state
+        # (encode_special_tokens), set for each encode under this lock so that concurrent
+        # encodes cannot see each other's setting (a second copy of the tokenizer with the
+        # other setting doubled its memory and load time).
+        self._encode_lock = threading.Lock()
         self._source = source
         self._bos = bos_token_id
         self._eos = eos_token_ids
@@ -215,8 +216,7 @@ class Tokenizer:
             parse_special: turn special-token text (``"<s>"``) into its id; by default it is
                 tokenized as plain text. Non-special added tokens are always matched.
         """
-        hf = self._hf if parse_special else self._hf_text_specials
-        ids = hf.encode(text, add_special_tokens=False).ids
+        ids = self._encode(text, parse_special).ids
         if add_special_tokens:
             if self._add_bos:
                 ids.insert(0, self._bos)
@@ -233,19 +233,25 @@ class Tokenizer:
         ``encode(text, add_special_tokens=False, parse_special=True)`` up to added tokens with
         ``lstrip``/``rstrip``, which GGUF vocabularies never have.
         """
-        enc = self._hf.encode(text, add_special_tokens=False)
+        enc = self._encode(text, parse_special=True)
         ids: list[int] = []
         pos = 0
         for tid, (start, end) in zip(enc.ids, enc.offsets):
             if tid not in self._special_ids or any(start < b and a < end for a, b in plain_spans):
                 continue
             if start > pos:
-                ids += self._hf_text_specials.encode(text[pos:start], add_special_tokens=False).ids
+                ids += self._encode(text[pos:start], parse_special=False).ids
             ids.append(tid)
             pos = end
         if pos < len(text):
-            ids += self._hf_text_specials.encode(text[pos:], add_special_tokens=False).ids
+            ids += self._encode(text[pos:], parse_special=False).ids
         return ids
+
+    def _encode(self, text: str, parse_special: bool):
+        """``tokenizers`` encoding of ``text`` without BOS/EOS, special-token text parsed or not."""
+        with self._encode_lock:
+            self._hf.encode_special_tokens = not parse_special
+            return self._hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (the ``tokenizers`` decoder; ``<0xXX>`` runs that are not valid
