@@ -4,6 +4,7 @@ chunked prefill, interleaved sequences, sampling and context limits."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zllm
 from tests.conftest import CONFIGS, MODEL_DIR, REFERENCE_TEXT, write_config
@@ -173,3 +174,18 @@ def test_prompt_filling_the_whole_context_window_is_rejected(engine):
         engine.generate({"prompt_token_ids": [1] + [400] * 511, "max_tokens": 4})
     out = engine.generate({"prompt_token_ids": [1] + [400] * 510, "max_tokens": 4, "stop_token_ids": []})
     assert out["usage"]["total_tokens"] == 512 and out["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_a_16_bit_kv_cache_stores_rounded_keys_and_keeps_the_greedy_story(tmp_path, engine, dtype):
+    half = _engine(tmp_path, kv_cache={"dtype": dtype})
+    kv = half.llm.runner.kv
+    assert all(k.dtype == v.dtype == {"f16": torch.float16, "bf16": torch.bfloat16}[dtype] for k, v in kv.layers)
+    f32 = engine.llm.runner.kv
+    assert kv.num_blocks == f32.num_blocks and 2 * kv.layers[0][0].nbytes == f32.layers[0][0].nbytes
+    request = {"prompt": "", "max_tokens": 120}
+    assert half.generate(request)["token_ids"] == engine.generate(request)["token_ids"]
+    ids = engine.tokenizer.encode("Once upon a time, there was a little girl named Lily")
+    # keys/values rounded to 11 (f16) or 8 (bf16) significant bits; logits here are of order 10
+    atol = {"f16": 2e-2, "bf16": 2e-1}[dtype]
+    torch.testing.assert_close(half.prompt_logits(ids), engine.prompt_logits(ids), atol=atol, rtol=0)

@@ -59,7 +59,7 @@ def test_minimal_config_takes_every_default(base: dict[str, Any], ckpt_dir: Path
     assert cfg.model.path == str(ckpt_dir)
     assert (cfg.model.format, cfg.model.dtype) == ("hf", "auto")
     assert (cfg.backend.name, cfg.backend.threads, cfg.backend.force_reference) == ("auto", None, ())
-    assert (cfg.runtime.kv_cache.block_size, cfg.runtime.kv_cache.num_blocks) == (16, None)
+    assert (cfg.runtime.kv_cache.block_size, cfg.runtime.kv_cache.num_blocks, cfg.runtime.kv_cache.dtype) == (16, None, "f32")
     assert (cfg.runtime.max_num_seqs, cfg.runtime.max_prefill_tokens) == (8, 512)
     assert (cfg.runtime.context_length, cfg.runtime.prefix_cache_seqs) == (None, 4)
     assert cfg.generation == GenerationDefaults()
@@ -139,6 +139,7 @@ BAD_VALUES = [
     ("runtime.kv_cache.block_size", 0, "expected a positive int, got 0"),
     ("runtime.kv_cache.block_size", 16.0, "expected a positive int, got 16.0"),
     ("runtime.kv_cache.num_blocks", -3, "expected a positive int or null, got -3"),
+    ("runtime.kv_cache.dtype", "fp8", "expected one of 'f32', 'f16', 'bf16', got 'fp8'"),
     ("runtime.max_num_seqs", "8", "expected a positive int, got '8'"),
     ("runtime.max_prefill_tokens", 0, "expected a positive int, got 0"),
     ("runtime.context_length", 0, "expected a positive int or null, got 0"),
@@ -219,7 +220,7 @@ def test_unknown_key_suggests_the_close_one(base: dict[str, Any], dotted: str, s
 def test_unknown_key_lists_valid_keys(base: dict[str, Any]) -> None:
     with pytest.raises(ConfigError) as exc:
         config_from_dict(_with(base, "runtime.kv_cache.zzz", 1))
-    assert str(exc.value) == "runtime.kv_cache.zzz: unknown key 'zzz'; valid keys: block_size, num_blocks"
+    assert str(exc.value) == "runtime.kv_cache.zzz: unknown key 'zzz'; valid keys: block_size, dtype, num_blocks"
 
 
 @pytest.mark.parametrize(

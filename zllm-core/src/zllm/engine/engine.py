@@ -13,7 +13,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from zllm.engine.loader import LoadedModel, auto_num_blocks, load_model
+from zllm.engine.loader import LoadedModel, auto_num_blocks, kv_cache_dtype, load_model
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
@@ -39,12 +39,13 @@ class Engine:
         shape = loaded.model.kv_shape
         num_blocks = cfg.runtime.kv_cache.num_blocks or auto_num_blocks(cfg, loaded)
         block_size = cfg.runtime.kv_cache.block_size
+        dtype = kv_cache_dtype(cfg)
         try:
             kv = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks,
-                              block_size, device=loaded.backend.device)
+                              block_size, dtype=dtype, device=loaded.backend.device)
         except (RuntimeError, MemoryError) as exc:  # torch reports a failed allocation as RuntimeError
             key = "num_blocks" if cfg.runtime.kv_cache.num_blocks else "block_size"
-            nbytes = 2 * shape.num_layers * num_blocks * block_size * shape.num_kv_heads * shape.head_dim * 4
+            nbytes = 2 * shape.num_layers * num_blocks * block_size * shape.num_kv_heads * shape.head_dim * dtype.itemsize
             raise ConfigError(
                 f"runtime.kv_cache.{key}",
                 f"{num_blocks} KV blocks of {block_size} tokens need {nbytes / 2**30:.1f} GiB, which cannot "

@@ -193,12 +193,17 @@ def _place(backend, w):
     return backend.place(w)
 
 
+def kv_cache_dtype(cfg: ZllmConfig) -> torch.dtype:
+    """The torch dtype of ``runtime.kv_cache.dtype``."""
+    return DTYPE_OF_FORMAT[cfg.runtime.kv_cache.dtype]
+
+
 def auto_num_blocks(cfg: ZllmConfig, loaded: LoadedModel) -> int:
     """KV blocks for ``max_num_seqs + prefix_cache_seqs`` full-context sequences, capped at
     :data:`AUTO_KV_BUDGET_BYTES` but never below one full-context sequence."""
     shape = loaded.model.kv_shape
     bs = cfg.runtime.kv_cache.block_size
     per_seq = math.ceil(loaded.context_length / bs)
-    block_bytes = 2 * shape.num_layers * bs * shape.num_kv_heads * shape.head_dim * torch.float32.itemsize
+    block_bytes = 2 * shape.num_layers * bs * shape.num_kv_heads * shape.head_dim * kv_cache_dtype(cfg).itemsize
     want = per_seq * (cfg.runtime.max_num_seqs + cfg.runtime.prefix_cache_seqs)
     return max(per_seq, min(want, AUTO_KV_BUDGET_BYTES // block_bytes))

@@ -12,7 +12,7 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       threads: null               # null = number of cores
       force_reference: []         # ops that must run their f32 reference, e.g. [linear]
     runtime:
-      kv_cache: {block_size: 16, num_blocks: null}
+      kv_cache: {block_size: 16, num_blocks: null, dtype: f32}   # dtype: f32 | f16 | bf16
       max_num_seqs: 8
       max_prefill_tokens: 512
       max_batch_tokens: null      # null = max_num_seqs + max_prefill_tokens
@@ -244,10 +244,15 @@ class KvCacheConfig:
     Attributes:
         block_size: tokens per cache block, >= 1.
         num_blocks: blocks to allocate, >= 1; ``None`` = sized from free memory.
+        dtype: storage type of cached keys and values: ``f32`` (the compute type: exact),
+            ``f16`` or ``bf16`` (half the memory and half the bytes a decode step's attention
+            reads; keys/values are rounded once when written — llama.cpp caches f16 by
+            default, vLLM's ``kv_cache_dtype``). Attention still computes in f32.
     """
 
     block_size: int = _config_field(POSITIVE_INT, 16)
     num_blocks: int | None = _config_field(POSITIVE_INT.or_null(), None)
+    dtype: str = _config_field(_one_of("f32", "f16", "bf16"), "f32")
 
 
 def _check_max_batch_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
