@@ -108,7 +108,8 @@ class ZllmRunner:
     ``model.dtype: auto`` so weights stay in their stored format (F16/BF16/Q8_0 included).
     The config sizes the runtime to the workload, the way HF's cache grows to exactly
     prompt + new tokens: one running sequence, no prefix cache, a KV cache of
-    ``ceil((prompt + new) / block_size)`` blocks, the whole prompt in one prefill chunk.
+    ``ceil((prompt + new) / block_size)`` blocks of f16 keys/values (the cache type llama-bench uses
+    by default), the whole prompt in one prefill chunk.
     """
 
     name = "zllm"
@@ -140,7 +141,8 @@ class ZllmRunner:
             "model": {"path": spec["model_path"], "dtype": "auto"},
             "backend": {"name": "cpu", "threads": spec["threads"]},
             "runtime": {
-                "kv_cache": {"block_size": cls.block_size, "num_blocks": blocks * seqs},
+                # f16 keys/values: llama-bench's default cache type (-ctk/-ctv f16)
+                "kv_cache": {"block_size": cls.block_size, "num_blocks": blocks * seqs, "dtype": "f16"},
                 "max_num_seqs": seqs,
                 "max_prefill_tokens": max(512, len(spec["prompt_ids"])),
                 "context_length": blocks * cls.block_size,
