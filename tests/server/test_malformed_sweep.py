@@ -101,7 +101,9 @@ def mutated_body(draw, base: dict[str, Any], fields: list[str]) -> dict[str, Any
             if draw(st.booleans()):
                 body["stream_options"] = {"include_usage": True}
         elif kind == "nested":  # garbage one level down, where the message/content models live
-            key = next((k for k in ("messages", "input") if isinstance(body.get(k), list) and body[k]), None)
+            # a list whose first item is an object (an earlier mutation may have left [None] or "x")
+            key = next((k for k in ("messages", "input")
+                        if isinstance(body.get(k), list) and body[k] and isinstance(body[k][0], dict)), None)
             if key is not None:
                 item = dict(body[key][0])
                 item[draw(st.sampled_from(["role", "content", "type", "name", "extra"]))] = draw(json_values)
