@@ -110,7 +110,8 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
         return out
     write(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(), t, hkv, d,
           k_cache.data_ptr(), v_cache.data_ptr(), nb * bs, threads)
-    n, info, prefill = _last_plan[1] if _last_plan[0] is meta else _plan(meta, t)
+    last = _last_plan  # one read: another thread (another engine) may replace it meanwhile
+    n, info, prefill = last[1] if last[0] is meta else _plan(meta, t)
     if n:
         ptr = info.buffer_info()[0]
         if n == t:  # every row decodes: row r is sequence r, info holds the context lengths
@@ -126,7 +127,9 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
 
 
 # The plan of the last metadata seen: every layer of a step gets the same AttentionMetadata
-# (frozen; its lengths are tuples), so the decode rows are listed once per step.
+# (frozen; its lengths are tuples), so the decode rows are listed once per step. Replaced as
+# one tuple, so a reader sees a meta and its own plan even when engines in other threads
+# step concurrently.
 _last_plan: tuple[AttentionMetadata | None, tuple] = (None, ())
 
 
