@@ -306,10 +306,13 @@ class _Seq:
 
 
 def _paged_case(g: torch.Generator, op: str, variant: str, *, h: int, hkv: int, d: int, bs: int, seqs: list[_Seq],
-                window: int | None = None, fused: bool = False, note: str = "") -> Case:
+                window: int | None = None, fused: bool = False, cache_dtype: torch.dtype = torch.float32,
+                note: str = "") -> Case:
     """A paged-attention batch: blocks handed out in random order, unused cache slots (and
     freed blocks) holding random values, so a kernel reading past a context or before a
-    window's first block gets a wrong answer instead of a lucky zero."""
+    window's first block gets a wrong answer instead of a lucky zero. With a 16-bit
+    ``cache_dtype`` (``runtime.kv_cache.dtype``) the new keys/values are representable in it,
+    so every correct conversion stores them exactly."""
     n_blocks = [-(-s.ctx // bs) for s in seqs]
     num_blocks = sum(n_blocks) + 2
     order = torch.randperm(num_blocks, generator=g).tolist()
@@ -330,21 +333,28 @@ def _paged_case(g: torch.Generator, op: str, variant: str, *, h: int, hkv: int, 
         q, k, v = _fused_split(g, t, (h, hkv, hkv), d)
     else:
         q, k, v = _randn(g, t, h, d), _randn(g, t, hkv, d), _randn(g, t, hkv, d)
-    k_cache, v_cache = _randn(g, num_blocks, bs, hkv, d), _randn(g, num_blocks, bs, hkv, d)
+    k_cache = _randn(g, num_blocks, bs, hkv, d).to(cache_dtype)
+    v_cache = _randn(g, num_blocks, bs, hkv, d).to(cache_dtype)
+    if cache_dtype != torch.float32:
+        k.copy_(k.to(cache_dtype))
+        v.copy_(v.to(cache_dtype))
     meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), table, tuple(s.q for s in seqs),
                              tuple(s.ctx for s in seqs), d ** -0.5)
     kinds = "+".join(s.kind for s in seqs)
     ratio = "MQA" if hkv == 1 else f"GQA {h // hkv}"
     label = (f"{kinds} (q,ctx)={[(s.q, s.ctx) for s in seqs]} H={h} Hkv={hkv} ({ratio}) D={d} BS={bs}"
              + (f" window={window} freed blocks={freed}" if window is not None else "")
-             + (" q/k/v = views of fused qkv" if fused else "") + (f" {note}" if note else ""))
+             + (" q/k/v = views of fused qkv" if fused else "")
+             + (f" cache {DENSE_FORMATS[cache_dtype]}" if cache_dtype != torch.float32 else "")
+             + (f" {note}" if note else ""))
     args = (q, k, v, k_cache, v_cache, meta) + ((window,) if window is not None else ())
     return Case(op, variant, label, args, placed=frozenset({3, 4}), written=(3, 4))
 
 
 def attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
     """``attention[paged]``: New Prefill across block edges, Append Prefill, decode batches at
-    and just past block boundaries, a mixed batch; block sizes 1, 5, 16; GQA 1, 2, 4, 8, MQA."""
+    and just past block boundaries, a mixed batch; block sizes 1, 5, 16; GQA 1, 2, 4, 8, MQA;
+    f32, f16 and bf16 caches."""
     _only(variant, "attention", ("paged",))
     op = "attention"
     specs = [
@@ -355,16 +365,19 @@ def attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]
         dict(h=8, hkv=1, d=16, bs=5, seqs=[_Seq(1, 23), _Seq(11, 11), _Seq(4, 14)], fused=True),
         dict(h=16, hkv=2, d=16, bs=16, seqs=[_Seq(2, 33), _Seq(1, 48), _Seq(17, 17)]),
         dict(h=3, hkv=1, d=128, bs=16, seqs=[_Seq(9, 70)]),
+        dict(h=8, hkv=2, d=64, bs=16, seqs=[_Seq(1, 40), _Seq(6, 21), _Seq(1, 3)], cache_dtype=torch.float16),
+        dict(h=4, hkv=1, d=32, bs=5, seqs=[_Seq(1, 23), _Seq(9, 9)], fused=True, cache_dtype=torch.bfloat16),
     ]
     if quick:
-        specs = [specs[0], specs[2], specs[4]]
+        specs = [specs[0], specs[2], specs[4], specs[7]]
     return [_paged_case(g, op, variant, **s) for s in specs]
 
 
 def attention_sliding_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
     """``attention_sliding[paged]``: windows shorter than, equal to and not a multiple of the
     block size; decode and Append Prefill rows whose early blocks are freed (-1); a New
-    Prefill longer than the window (nothing freed, the mask alone limits it)."""
+    Prefill longer than the window (nothing freed, the mask alone limits it); f32, f16 and
+    bf16 caches."""
     _only(variant, "attention_sliding", ("paged",))
     op = "attention_sliding"
     specs = [
@@ -373,6 +386,8 @@ def attention_sliding_cases(variant: str, g: torch.Generator, quick: bool) -> li
         dict(h=4, hkv=4, d=8, bs=4, window=6, seqs=[_Seq(5, 29), _Seq(1, 30), _Seq(12, 12)], fused=True),
         dict(h=8, hkv=2, d=64, bs=1, window=3, seqs=[_Seq(2, 9), _Seq(1, 4)]),
         dict(h=8, hkv=1, d=16, bs=5, window=11, seqs=[_Seq(1, 36), _Seq(7, 40)]),
+        dict(h=8, hkv=2, d=32, bs=4, window=9, seqs=[_Seq(1, 30), _Seq(3, 17)], cache_dtype=torch.float16),
+        dict(h=4, hkv=4, d=16, bs=16, window=20, seqs=[_Seq(1, 45)], cache_dtype=torch.bfloat16),
     ]
     if quick:
         specs = specs[1:3]
