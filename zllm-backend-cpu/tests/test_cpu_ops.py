@@ -166,3 +166,18 @@ def test_native_silu_mul_over_the_whole_exp_range():
     got = _native().silu_mul(gate, up)
     want = ref_silu_mul(gate, up)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
+@NATIVE_MISSING
+def test_native_kernels_hand_inputs_they_do_not_take_to_the_torch_kernels():
+    """A float64 norm weight and a head-dim-strided RoPE input run the torch kernels, with
+    the reference's result rather than a wrong read."""
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    w = torch.randn(40, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(_native().rms_norm(x, w, 1e-5), ref_rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    y, h = _native().add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(y, ref_add_rms_norm(x, r, w, 1e-5)[0], atol=1e-5, rtol=1e-5)
+    q = torch.randn(2, 3, 16, 2, generator=g)[..., 0]  # [T, H, D] with stride 2 along D
+    cos, sin = rope_cos_sin(torch.arange(2), default_inv_freq(16, 10000.0))
+    torch.testing.assert_close(_native().rope(q, cos, sin), apply_rope(q, cos, sin), atol=1e-6, rtol=1e-6)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from zllm.plugin_api import DTYPE_OF_FORMAT
 from zllm_backend_cpu.kernels import activation, norm
 from zllm_backend_cpu.kernels import rope as torch_rope
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
 
-_WEIGHT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_WEIGHT = {dtype: fmt for fmt, dtype in DTYPE_OF_FORMAT.items()}  # norm weight dtype -> entry point suffix
 _RMS_NORM = {fmt: function(f"zllm_rms_norm_{fmt}", P, I64, P, P, I64, I64, F32, INT) for fmt in _WEIGHT.values()}
 _ADD_RMS_NORM = {fmt: function(f"zllm_add_rms_norm_{fmt}", P, I64, P, I64, P, P, P, I64, I64, F32, INT)
                  for fmt in _WEIGHT.values()}
