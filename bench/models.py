@@ -18,9 +18,10 @@ ids, so the tokenizer only matters for detokenizing the output.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -92,6 +93,7 @@ def build_spm_tokenizer(directory: Path) -> None:
     """
     import gguf
     from tokenizers import processors
+
     from zllm.tokenizer.gguf_vocab import vocab_from_gguf_metadata
 
     reader = gguf.GGUFReader(str(SPM_VOCAB))

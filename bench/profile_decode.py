@@ -36,8 +36,9 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 OP_NAMES = ("embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "attention_sliding", "silu_mul")
 

@@ -263,7 +263,7 @@ def summarize(runs: list[dict[str, Any]], reference_ids: list[int] | None) -> di
     ids = ok[0].get("token_ids")
     if reference_ids is not None and ids is not None:
         same = 0
-        for a, b in zip(ids, reference_ids):
+        for a, b in zip(ids, reference_ids, strict=True):
             if a != b:
                 break
             same += 1

@@ -277,7 +277,7 @@ def format_table(report: dict[str, Any]) -> str:
             rows.append(("transformers", "batched", str(hf["requests"]), f"{hf['tok_s']:.1f}", ttft, ttft,
                          f"{hf['total_s']:.2f}", str(hf["generated_tokens"]), "-", "1.00x"))
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 

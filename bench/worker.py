@@ -39,7 +39,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 WARMUP_TOKENS = 4
 RESULT_PREFIX = "BENCH_RESULT "
@@ -117,6 +118,7 @@ class ZllmRunner:
 
     def import_libs(self) -> None:
         import torch  # noqa: F401
+
         import zllm  # noqa: F401
         import zllm.engine.engine  # noqa: F401  (zllm.Engine is lazy; import it before the baseline)
         import zllm.weights.gguf_file  # noqa: F401  (the GGUF reader, as transformers' runner resolves its model class)

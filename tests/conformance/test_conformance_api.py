@@ -13,8 +13,8 @@ from zllm.capabilities.ops import AttentionMetadata
 from zllm.conformance import run_conformance
 from zllm.conformance.e2e import ModelSource, check_model, write_tiny_checkpoint
 from zllm.conformance.kernels import check_kernels
-from zllm.domain.attention import causal_softmax_attention, first_window_block, gather_context, write_kv
 from zllm.domain.activation import silu_mul
+from zllm.domain.attention import causal_softmax_attention, first_window_block, gather_context, write_kv
 from zllm.domain.rope import apply_rope
 from zllm.plugins.host import PluginHost
 from zllm.spec.errors import ConfigError
@@ -35,7 +35,7 @@ def attention_sliding_ignores_the_window(q, k, v, k_cache, v_cache, meta: Attent
     # query see all of them: right whenever the window covers the whole context.
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out, start, bs = torch.empty_like(q), 0, k_cache.shape[1]
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         first = first_window_block(n_q, n_ctx, window, bs)
         ks, vs = (gather_context(c, meta.block_tables[s], n_ctx, first) for c in (k_cache, v_cache))
         out[start:start + n_q] = causal_softmax_attention(q[start:start + n_q], ks, vs, meta.scale, None, first * bs)

@@ -9,8 +9,8 @@ import torch
 from zllm.capabilities import CORE_CAPABILITIES
 from zllm.conformance.cases import CASE_GENERATORS, NoCases, cases_for
 from zllm.conformance.kernels import reference_args
-from zllm.kernels.registry import KernelRegistry
 from zllm.domain.references import register_references
+from zllm.kernels.registry import KernelRegistry
 
 CORE = sorted(CORE_CAPABILITIES)
 
@@ -35,7 +35,7 @@ def test_every_core_capability_has_cases_the_reference_accepts(cap):
 def test_same_seed_gives_the_same_inputs_and_another_seed_others():
     a, b, c = (cases_for("attention", "paged", seed=s) for s in (7, 7, 8))
     assert [x.label for x in a] == [x.label for x in b]
-    for x, y, z in zip(a, b, c):
+    for x, y, z in zip(a, b, c, strict=True):
         assert torch.equal(x.args[0], y.args[0]) and not torch.equal(x.args[0], z.args[0])
         assert torch.equal(x.args[5].block_tables, y.args[5].block_tables)
 

@@ -11,18 +11,15 @@ from pathlib import Path
 
 import attrs
 import pytest
-import torch
 
 from tests.cli.conftest import REPO
 from tests.conformance.conftest import conformance, install_plugin, read_report
-from zllm.capabilities import Capability
 from zllm.capabilities.backend import BackendInfo
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.conformance import run_conformance
 from zllm.conformance.e2e import ModelSource, check_model, write_tiny_checkpoint
 from zllm.conformance.kernels import check_kernels
 from zllm.conformance.report import ConformanceReport, E2EResult, report_paths
-from zllm.domain.activation import silu_mul
 from zllm.domain.attention import attention
 from zllm.domain.family import FamilyInfo
 from zllm.domain.linear import linear

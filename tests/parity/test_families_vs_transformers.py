@@ -17,8 +17,8 @@ import torch
 import transformers
 
 import zllm
-from zllm.spec.errors import ZllmError
 from tests.conftest import MODEL_DIR, copy_tokenizer, write_config
+from zllm.spec.errors import ZllmError
 
 VOCAB = 512  # the stories260K tokenizer
 PROMPT = [1, 410, 469, 347, 30, 99, 280, 17, 401, 5, 77, 300, 12, 64, 201]

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from zllm.engine.engine import plugin_allowlist_from_env
-from zllm.plugins.host import PluginHost, PluginWarning
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION
+from zllm.plugins.host import PluginHost, PluginWarning
 from zllm.spec.errors import PluginError
 
 CORE_API = f"{PLUGIN_API_VERSION[0]}.{PLUGIN_API_VERSION[1]}"

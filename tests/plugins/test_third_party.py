@@ -145,8 +145,9 @@ def test_example_backend_generates_the_same_text_as_the_cpu_backend(venv):
 def test_example_kernels_match_the_f32_references(monkeypatch):
     # In-process, from the example's source (no install needed to check math): every kernel
     # against the core's reference of its op, fetched from one registry.
-    import torch
     from importlib import metadata
+
+    import torch
 
     from zllm.capabilities.ops import AttentionMetadata, SamplingRow
     from zllm.plugins.host import PluginHost
@@ -192,7 +193,7 @@ def test_example_kernels_match_the_f32_references(monkeypatch):
     for fn in (mine, ref):
         kc, vc = cache0.clone(), cache0.clone() * 0.5
         outs.append((fn(q, kk, vv, kc, vc, meta), kc, vc))
-    for a, b_ in zip(outs[0], outs[1]):
+    for a, b_ in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(a, b_, **close)
 
     mine, ref = both("sample", "f32")

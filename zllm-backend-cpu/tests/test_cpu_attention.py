@@ -11,10 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.paged_batches import paged_batch as build
 from zllm.domain.attention import attention as ref_attention
 from zllm_backend_cpu.kernels.attention import attention
-
-from tests.paged_batches import paged_batch as build
 
 HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]  # MHA, GQA, GQA, MQA
 

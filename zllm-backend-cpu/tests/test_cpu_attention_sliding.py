@@ -21,7 +21,7 @@ from zllm_backend_cpu.kernels.attention import attention_sliding
 def drop_outside_window(k_cache, v_cache, meta: AttentionMetadata, window: int) -> AttentionMetadata:
     bs = k_cache.shape[1]
     tables = meta.block_tables.clone()
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         first = first_window_block(n_q, n_ctx, window, bs)
         dead = tables[s, :first]
         k_cache[dead] = float("nan")

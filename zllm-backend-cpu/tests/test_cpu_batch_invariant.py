@@ -16,8 +16,13 @@ from zllm.kernels.registry import KernelRegistry
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm_backend_cpu import plugin
 from zllm_backend_cpu.kernels import CAPABILITIES
-from zllm_backend_cpu.kernels.invariant import (attention_invariant, attention_sliding_invariant,
-                                                linear_dense_invariant, linear_quant_invariant, silu_mul_invariant)
+from zllm_backend_cpu.kernels.invariant import (
+    attention_invariant,
+    attention_sliding_invariant,
+    linear_dense_invariant,
+    linear_quant_invariant,
+    silu_mul_invariant,
+)
 
 
 def _weight(fmt: str, n: int, k: int, g: torch.Generator):

@@ -7,10 +7,10 @@ summation order, so atol = rtol = 1e-5 on O(1) outputs.
 
 from __future__ import annotations
 
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tile_budget import tile_budget
 
 from zllm.domain.linear import embedding as ref_embedding
 from zllm.domain.linear import linear as ref_linear
@@ -19,7 +19,6 @@ from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm_backend_cpu.kernels import CAPABILITIES
 from zllm_backend_cpu.kernels import linear as kernels
 from zllm_backend_cpu.kernels.kquants import KQUANT_DECODERS
-from tile_budget import tile_budget
 
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 QK_K = 256

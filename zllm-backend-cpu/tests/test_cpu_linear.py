@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tile_budget import tile_budget
 
 from zllm.domain.linear import embedding as ref_embedding
 from zllm.domain.linear import linear as ref_linear
 from zllm.domain.quant import dequantize
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm_backend_cpu.kernels import linear as kernels
-from tile_budget import tile_budget
 
 DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

@@ -116,7 +116,7 @@ def test_native_norms_read_row_strided_views_and_leave_inputs_alone(t, k, seed):
     ref_y, ref_h = ref_add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(h, ref_h)
     torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(before, (wide_x, wide_r, w)))
+    assert all(torch.equal(a, b) for a, b in zip(before, (wide_x, wide_r, w), strict=True))
 
 
 @NATIVE_MISSING

@@ -54,7 +54,7 @@ def run_and_compare(kernel, reference, q, k, v, k_cache, v_cache, meta):
     expected = reference(q, k, v, k_ref, v_ref, meta)
     got = kernel(q, k, v, k_cache, v_cache, meta)
     assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num()) and torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
-    assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))), "an input was written"
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v), strict=True)), "an input was written"
     return got, expected
 
 

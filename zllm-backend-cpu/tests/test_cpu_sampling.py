@@ -32,7 +32,7 @@ def make_rows(settings_list, seeds):
         SamplingRow(**{**s, "prompt_token_ids": torch.tensor(s["prompt_token_ids"], dtype=torch.int64),
                        "output_token_ids": torch.tensor(s["output_token_ids"], dtype=torch.int64)},
                     generator=torch.Generator().manual_seed(seed))
-        for s, seed in zip(settings_list, seeds)
+        for s, seed in zip(settings_list, seeds, strict=True)
     ]
 
 
@@ -45,7 +45,7 @@ def test_sample_kernel_equals_reference(data, vocab, n_rows, seed):
     rows_ref, rows_cpu = make_rows(cfg, seeds), make_rows(cfg, seeds)
     # exact: same tokens, and every generator advanced identically
     assert torch.equal(sample(logits, rows_cpu), ref_sample(logits, rows_ref))
-    for a, b in zip(rows_ref, rows_cpu):
+    for a, b in zip(rows_ref, rows_cpu, strict=True):
         assert torch.equal(a.generator.get_state(), b.generator.get_state())
 
 

@@ -38,7 +38,7 @@ def build(h, hkv, d, bs, spans, window, cache_dtype, seed):
     pool = torch.randperm(sum(per_seq) + 2, generator=g)  # two spare blocks nobody owns
     tables = torch.full((len(spans), max(per_seq) + 1), -1, dtype=torch.int64)
     slots = []
-    for s, ((n_q, n_ctx), n) in enumerate(zip(spans, per_seq)):
+    for s, ((n_q, n_ctx), n) in enumerate(zip(spans, per_seq, strict=True)):
         tables[s, :n] = pool[sum(per_seq[:s]) : sum(per_seq[:s]) + n]
         new = torch.arange(n_ctx - n_q, n_ctx)
         slots.append(tables[s, new // bs] * bs + new % bs)

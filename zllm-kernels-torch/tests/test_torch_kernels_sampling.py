@@ -47,7 +47,7 @@ def test_batched_sample_equals_reference_and_advances_generators_alike(batch):
     logits, chosen, seed = batch
     mine, reference = rows_of(chosen, seed), rows_of(chosen, seed)
     assert torch.equal(sample(logits, mine), ref_sample(logits, reference))
-    assert all(torch.equal(a.generator.get_state(), b.generator.get_state()) for a, b in zip(mine, reference))
+    assert all(torch.equal(a.generator.get_state(), b.generator.get_state()) for a, b in zip(mine, reference, strict=True))
 
 
 def test_greedy_rows_are_argmax_of_penalised_logits_and_leave_generators_untouched():
@@ -58,7 +58,7 @@ def test_greedy_rows_are_argmax_of_penalised_logits_and_leave_generators_untouch
                          frequency_penalty=0.0, prompt_token_ids=[0], output_token_ids=[])], seed=0)
     before = [r.generator.get_state() for r in rows]
     assert sample(logits, rows).tolist() == [1, 3]  # ties -> lowest index; 3.0 / 2 < 2.9
-    assert all(torch.equal(b, r.generator.get_state()) for b, r in zip(before, rows))
+    assert all(torch.equal(b, r.generator.get_state()) for b, r in zip(before, rows, strict=True))
 
 
 def test_no_rows_gives_an_empty_int64_tensor():

@@ -9,13 +9,19 @@ import pytest
 from zllm.capabilities import CORE_CAPABILITIES, Capability
 from zllm.kernels.registry import KernelRegistry
 from zllm_kernels_torch.table import (
-    BF16_WEIGHT_CAPABILITIES, GPU_TORCH_CAPABILITIES, TORCH_KERNELS, capabilities, lazy_rows, named_kernels,
-    register_rows, torch_rows,
+    BF16_WEIGHT_CAPABILITIES,
+    GPU_TORCH_CAPABILITIES,
+    TORCH_KERNELS,
+    capabilities,
+    lazy_rows,
+    named_kernels,
+    register_rows,
+    torch_rows,
 )
 
 
 def test_every_torch_kernel_resolves_to_a_callable_for_a_core_capability():
-    for op, variants, impl in TORCH_KERNELS:
+    for _op, _variants, impl in TORCH_KERNELS:
         module, _, attr = impl.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), impl
     assert capabilities(TORCH_KERNELS) <= CORE_CAPABILITIES

@@ -60,7 +60,7 @@ def test_every_row_runs_and_matches_the_reference():
     g = torch.Generator().manual_seed(0)
     for op, variants, fn in kernel_table(Tuning()):
         args, expected = op_inputs(op, variants[0], g)
-        torch.testing.assert_close(fn(*args), expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"{op}: {m}")
+        torch.testing.assert_close(fn(*args), expected, atol=1e-4, rtol=1e-4, msg=lambda m, op=op: f"{op}: {m}")
 
 
 def test_rows_register_under_names_that_show_module_function_and_tuning():

@@ -7,16 +7,14 @@ spare garbage blocks, as in ``zllm-core/tests/domain/test_ref_attention.py``.
 
 from __future__ import annotations
 
-
 import torch
 from hypothesis import strategies as st
 
+from tests.paged_batches import paged_batch
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.domain.attention import first_window_block
 from zllm.plugin_api import QuantizedTensor
 from zllm_kernels_triton import Tuning
-
-from tests.paged_batches import paged_batch
 
 HEADS = [(2, 2), (4, 4), (2, 1), (4, 2), (4, 1), (8, 2)]  # (H, Hkv): GQA ratios 1, 2, 4
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -76,7 +74,7 @@ def free_outside_window(k_cache, v_cache, meta: AttentionMetadata, window: int) 
     """Mark every block before the window's first as freed: -1 in the table, NaN in the cache."""
     bs = k_cache.shape[1]
     tables = meta.block_tables.clone()
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         first = first_window_block(n_q, n_ctx, window, bs)
         k_cache[tables[s, :first]] = float("nan")
         v_cache[tables[s, :first]] = float("nan")

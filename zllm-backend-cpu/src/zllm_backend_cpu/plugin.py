@@ -9,8 +9,15 @@ are in :mod:`zllm_backend_cpu.kernels`.
 from collections.abc import Collection
 
 from zllm.plugin_api import BackendInfo, KernelRegistry, hookimpl
-from zllm_backend_cpu.kernels import (CAPABILITIES, INVARIANT_AS_IS, INVARIANT_KERNELS, KERNELS, NATIVE_INVARIANT_AS_IS,
-                                      NATIVE_INVARIANT_KERNELS, NATIVE_KERNELS)
+from zllm_backend_cpu.kernels import (
+    CAPABILITIES,
+    INVARIANT_AS_IS,
+    INVARIANT_KERNELS,
+    KERNELS,
+    NATIVE_INVARIANT_AS_IS,
+    NATIVE_INVARIANT_KERNELS,
+    NATIVE_KERNELS,
+)
 from zllm_backend_cpu.kernels.native import unavailable_reason
 
 ZLLM_PLUGIN_API = "1.0"

@@ -238,7 +238,7 @@ def _core_version() -> str:
         return "unknown"
 
 
-def compute_matrix(host: "PluginHost", verified: Path | None = None) -> CompatMatrix:
+def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatrix:
     """Build the matrix for every loaded family and backend of ``host``.
 
     Args:
@@ -372,8 +372,8 @@ def _render_md(matrix: CompatMatrix) -> str:
 
 def _render_text(matrix: CompatMatrix) -> str:
     def table(head: list[str], rows: list[list[str]]) -> list[str]:
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        return ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in (head, *rows)]
+        widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+        return ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in (head, *rows)]
 
     lines = [
         f"core plugin API {matrix.core_api} (zllm-core {matrix.core_version})",

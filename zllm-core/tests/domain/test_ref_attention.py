@@ -108,7 +108,7 @@ def test_reference_attention_matches_naive_and_sdpa(batch):
     assert torch.equal(k_cache.view(-1, *k.shape[1:])[meta.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, *v.shape[1:])[meta.slot_mapping], v)
     start = 0
-    for (q_new, k_all, v_all), n_q in zip(histories, meta.query_lens):
+    for (q_new, k_all, v_all), n_q in zip(histories, meta.query_lens, strict=True):
         got = out[start : start + n_q]
         start += n_q
         # f32 throughout; differences are summation order only -> 1e-5

@@ -147,11 +147,11 @@ def pack_q6_k(q, sc, d):
     L = q + 32
     ql, qh = np.zeros(128, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
     for h in range(2):  # ggml quantize_row_q6_K_ref, per 128-weight half
-        for l in range(32):
-            a, b, c, e = (L[128 * h + l + 32 * j] for j in range(4))
-            ql[64 * h + l] = (a & 0xF) | ((c & 0xF) << 4)
-            ql[64 * h + l + 32] = (b & 0xF) | ((e & 0xF) << 4)
-            qh[32 * h + l] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+        for i in range(32):
+            a, b, c, e = (L[128 * h + i + 32 * j] for j in range(4))
+            ql[64 * h + i] = (a & 0xF) | ((c & 0xF) << 4)
+            ql[64 * h + i + 32] = (b & 0xF) | ((e & 0xF) << 4)
+            qh[32 * h + i] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
     return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)])
 
 
@@ -197,7 +197,7 @@ def test_q4_k_hand_built_block():
     block = np.array([0x00, 0x3C, 0x00, 0x38, *scales] + [0x21] * 128, dtype=np.uint8)
     # qs byte 0x21: low nibble 1 -> sub-blocks 0, 2, 4, 6 have q = 1; high nibble 2 -> 1, 3, 5, 7 have q = 2
     sc, mn, q = [1, 2, 3, 4, 17, 33, 49, 63], [0, 1, 2, 3, 16, 32, 48, 62], [1, 2, 1, 2, 1, 2, 1, 2]
-    expected = torch.tensor([1.0 * s * qq - 0.5 * m for s, m, qq in zip(sc, mn, q)]).repeat_interleave(32)[None]
+    expected = torch.tensor([1.0 * s * qq - 0.5 * m for s, m, qq in zip(sc, mn, q, strict=True)]).repeat_interleave(32)[None]
     got = dequantize(QuantizedTensor(torch.from_numpy(block.reshape(1, 144)), "q4_k", (1, 256)))
     assert got[0, 0] == 1.0 and got[0, 255] == 63 * 2 - 31.0
     assert torch.equal(got, expected)

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from zllm.domain.rope import apply_rope, apply_rope_gptj, default_inv_freq, rope_cos_sin
 from zllm.domain.norm import add_rms_norm, rms_norm
+from zllm.domain.rope import apply_rope, apply_rope_gptj, default_inv_freq, rope_cos_sin
 
 
 @settings(max_examples=25, deadline=None)

@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
+from tokdata import VOCABS
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-from tokdata import VOCABS
 
 from zllm.spec.errors import CheckpointError, RequestError
 from zllm.tokenizer import Tokenizer, render_chat, render_chat_text

@@ -35,7 +35,7 @@ def read_vocab_vectors(name: str) -> list[tuple[str, list[int]]]:
     assert lines[-1] == ""
     ids = [[int(t) for t in line.split()] for line in lines[:-1]]
     assert len(texts) == len(ids), (len(texts), len(ids))
-    return list(zip(texts, ids))
+    return list(zip(texts, ids, strict=True))
 
 
 def load_json(path: Path) -> dict:

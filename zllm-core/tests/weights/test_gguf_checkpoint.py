@@ -12,11 +12,19 @@ import numpy as np
 import pytest
 import torch
 from weights_helpers import (
-    F32, STORIES_GGUF_F16, STORIES_GGUF_F32, STORIES_GGUF_Q8_0, STORIES_HF, STR, U32,
-    assert_backed_by, needs_proc, tiny_llama_kv, tiny_llama_tensors, write_gguf,
+    F32,
+    STORIES_GGUF_F16,
+    STORIES_GGUF_F32,
+    STORIES_GGUF_Q8_0,
+    STORIES_HF,
+    STR,
+    U32,
+    assert_backed_by,
+    needs_proc,
+    tiny_llama_kv,
+    tiny_llama_tensors,
+    write_gguf,
 )  # fmt: skip
-from hypothesis import given
-from hypothesis import strategies as st
 
 from zllm.spec.errors import CheckpointError, TensorError, UnknownArchitectureError
 from zllm.weights import QuantizedTensor, open_checkpoint
@@ -211,7 +219,7 @@ def test_missing_required_key(tmp_path):
     kv = tiny_llama_kv(llama__attention__layer_norm_rms_epsilon=None)
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", kv, tiny_llama_tensors(np.random.default_rng(4))))
     with pytest.raises(CheckpointError, match="missing required metadata key 'llama.attention.layer_norm_rms_epsilon'"):
-        ckpt.config
+        _ = ckpt.config
 
 
 def test_unknown_architecture_still_gives_metadata(tmp_path):
@@ -235,7 +243,7 @@ def test_unmapped_rope_scaling_is_refused_naming_the_supported_ones(tmp_path):
     kv = tiny_llama_kv(llama__rope__scaling__type=("longrope", STR), llama__rope__scaling__factor=(4.0, F32))
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", kv, tiny_llama_tensors(np.random.default_rng(6))))
     with pytest.raises(CheckpointError, match="RoPE scaling 'longrope'.*supported: none, linear, yarn"):
-        ckpt.config
+        _ = ckpt.config
 
 
 def test_yarn_scaling_and_rope_freqs_become_hf_config(tmp_path):

@@ -22,13 +22,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weights_helpers import (
-    MODELS, STORIES_GGUF_F32, STORIES_GGUF_Q8_0, assert_backed_by, finish_gguf, tiny_llama_kv, tiny_llama_tensors, write_gguf,
+    MODELS,
+    STORIES_GGUF_F32,
+    STORIES_GGUF_Q8_0,
+    assert_backed_by,
+    finish_gguf,
+    tiny_llama_kv,
+    tiny_llama_tensors,
+    write_gguf,
 )  # fmt: skip
 
 from zllm.spec.errors import CheckpointError, TensorError
 from zllm.weights import open_checkpoint
 from zllm.weights.gguf_header import (
-    GGUFFormatError, GGUFPartialBlockError, GGUFUnsupportedError, read_gguf_header,
+    GGUFFormatError,
+    GGUFPartialBlockError,
+    GGUFUnsupportedError,
+    read_gguf_header,
 )  # fmt: skip
 
 V, Q = gguf.GGUFValueType, gguf.GGMLQuantizationType
@@ -41,7 +51,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
@@ -58,7 +68,7 @@ def assert_reads_as_gguf_reader(path: Path) -> None:
     assert ours.version == int(ref.fields["GGUF.version"].contents())
     assert (ours.alignment, ours.data_offset, ours.size) == (ref.alignment, ref.data_offset, path.stat().st_size)
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
-    for t, r in zip(ours.tensors, ref.tensors):
+    for t, r in zip(ours.tensors, ref.tensors, strict=True):
         assert (t.tensor_type, t.shape, t.n_elements, t.n_bytes, t.data_offset) == (
             r.tensor_type, tuple(int(d) for d in r.shape), int(r.n_elements), int(r.n_bytes), int(r.data_offset)
         ), t.name  # fmt: skip

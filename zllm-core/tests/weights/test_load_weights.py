@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from weights_helpers import STORIES_GGUF_F32, STORIES_GGUF_Q8_0, STORIES_HF, TINY_RANDOM_GGUF, copy_hf
 from ruamel.yaml import YAML
+from weights_helpers import STORIES_GGUF_F32, STORIES_GGUF_Q8_0, STORIES_HF, TINY_RANDOM_GGUF, copy_hf
 
 from zllm.spec.errors import TensorError
 from zllm.spec.tensor_spec import TensorSpec

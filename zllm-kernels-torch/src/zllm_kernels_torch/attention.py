@@ -55,7 +55,7 @@ def _paged(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | Non
     _write_kv(v, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)  # [T, H, D]
     decode_rows, decode_seqs, start = [], [], 0
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         assert 0 < n_q <= n_ctx, (n_q, n_ctx)
         if n_q == 1:
             decode_rows.append(start)

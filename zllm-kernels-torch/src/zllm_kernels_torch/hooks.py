@@ -10,7 +10,7 @@ backend declares is what it registers (``tests/plugins/test_installed_plugins.py
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from zllm.plugin_api import BackendInfo, KernelRegistry, hookimpl
 from zllm_kernels_torch.table import KernelRow, capabilities, register_rows

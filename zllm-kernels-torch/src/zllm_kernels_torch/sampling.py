@@ -52,10 +52,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     counted = [r.output_token_ids.numel() > 0 and (r.presence_penalty != 0.0 or r.frequency_penalty != 0.0) for r in rows]
     if any(counted):
         counts = torch.zeros_like(logits)  # [S, V]
-        pairs = _token_matrix([r.output_token_ids if c else empty for r, c in zip(rows, counted)], logits)
+        pairs = _token_matrix([r.output_token_ids if c else empty for r, c in zip(rows, counted, strict=True)], logits)
         counts.index_put_(pairs, torch.ones(1, device=logits.device), accumulate=True)
-        frequency = _column([r.frequency_penalty if c else 0.0 for r, c in zip(rows, counted)], logits)
-        presence = _column([r.presence_penalty if c else 0.0 for r, c in zip(rows, counted)], logits)
+        frequency = _column([r.frequency_penalty if c else 0.0 for r, c in zip(rows, counted, strict=True)], logits)
+        presence = _column([r.presence_penalty if c else 0.0 for r, c in zip(rows, counted, strict=True)], logits)
         logits = logits - (frequency * counts + presence * (counts > 0).float())
     return logits
 

@@ -8,7 +8,7 @@ registers, so the two cannot drift.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from zllm.plugin_api import Capability, KernelRegistry
 

@@ -55,7 +55,7 @@ def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window:
     assert q.dtype == torch.float32 and k.shape == v.shape and k.shape[0] == t and k.shape[2] == d, (q.shape, k.shape)
     assert len(meta.context_lens) == n_seq and meta.block_tables.shape[0] == n_seq, meta
     assert sum(meta.query_lens) == t, (meta.query_lens, t)
-    assert all(0 < n_q <= n_ctx for n_q, n_ctx in zip(meta.query_lens, meta.context_lens)), meta
+    assert all(0 < n_q <= n_ctx for n_q, n_ctx in zip(meta.query_lens, meta.context_lens, strict=True)), meta
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping, tuning=tuning)
     if t == 0:
         return torch.empty((0, h, d), dtype=torch.float32, device=q.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from zllm_kernels_triton.tuning import Tuning
 

@@ -64,7 +64,7 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     v_cache.view(nb * bs, hkv, d)[meta.slot_mapping] = v.to(v_cache.dtype)
     out = torch.empty_like(q)
     start = 0
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         blocks = meta.block_tables[s, : -(-n_ctx // bs)]  # blocks in use
         ck = k_cache[blocks].reshape(-1, hkv, d)[:n_ctx].float()  # [L, Hkv, D]
         cv = v_cache[blocks].reshape(-1, hkv, d)[:n_ctx].float()

@@ -47,7 +47,7 @@ def attention(
 
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         assert 0 < n_q <= n_ctx, (n_q, n_ctx)
         n_blocks = -(-n_ctx // bs)
         blocks = meta.block_tables[s, :n_blocks]  # [n_blocks]
@@ -96,7 +96,7 @@ def attention_sliding(
 
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         assert 0 < n_q <= n_ctx, (n_q, n_ctx)
         first = max(0, n_ctx - n_q - window + 1) // bs  # first block any query of this batch reads
         n_blocks = -(-n_ctx // bs)

@@ -91,7 +91,7 @@ def _attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | No
     h, d, bs, hkv = write_kv(q, k, v, k_cache, v_cache, meta)
     out = torch.empty_like(q)  # [T, H, D]
     start = 0
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         assert 0 < n_q <= n_ctx, (n_q, n_ctx)
         for pos in range(n_ctx - n_q, n_ctx):  # one query token at a time, as a decode step
             lo = 0 if window is None else max(0, pos - window + 1)  # first key it sees

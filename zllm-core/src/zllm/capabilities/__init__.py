@@ -26,7 +26,7 @@ class Capability:
         return f"{self.op}[{self.variant}]"
 
     @classmethod
-    def parse(cls, text: str) -> "Capability":
+    def parse(cls, text: str) -> Capability:
         """Parse ``op[variant]``. Raises ValueError on other shapes."""
         op, sep, rest = text.partition("[")
         if not sep or not rest.endswith("]") or not op:

@@ -7,7 +7,7 @@ import argparse
 import sys
 import traceback
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from zllm.cli.conformance import add_parser as _add_conformance
 from zllm.spec.errors import ZllmError

@@ -18,8 +18,9 @@ Modules: ``cases`` (input generators), ``kernels`` (kernel checks), ``e2e`` (mod
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

@@ -18,7 +18,7 @@ bounded f16 super-block scales) and sampling rows with every setting.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import gguf

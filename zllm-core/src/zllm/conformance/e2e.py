@@ -305,7 +305,7 @@ def _compare_runs(name: str, path: str, mine: _Side, reference: _Side, prompt: l
 
     if exact:
         # Logits after a token divergence have different inputs; compare up to it.
-        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), len(tokens))
         n_rows = min(len(prompt) + agree, my_rows.shape[0])  # row P - 1 + j gives token j
         atol, rtol = EXACT_TOLERANCE
         close, max_abs, max_rel, detail = compare([my_rows[:n_rows]], [ref_rows[:n_rows]], atol, rtol)

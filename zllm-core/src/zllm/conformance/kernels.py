@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -133,7 +134,7 @@ def changed_inputs(case: Case, given: list) -> list[str]:
     residual stream), weights and metadata after the call."""
     names = ARG_NAMES.get(case.op, ())
     changed = []
-    for i, (original, arg) in enumerate(zip(case.args, given)):
+    for i, (original, arg) in enumerate(zip(case.args, given, strict=True)):
         if i in case.written:
             continue
         if isinstance(original, torch.Tensor) and isinstance(arg, torch.Tensor):
@@ -173,7 +174,7 @@ def compare(outs: list, refs: list, atol: float, rtol: float, devices: list | No
         return False, math.inf, math.inf, f"returned {len(outs)} tensors, the reference {len(refs)}"
     max_abs = max_rel = 0.0
     bad: list[str] = []
-    for i, (o, r) in enumerate(zip(outs, refs)):
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         name = f"output {i}" if len(outs) > 1 else "output"
         if not isinstance(o, torch.Tensor):
             return False, math.inf, math.inf, f"{name} is {type(o).__name__}, not a tensor"

@@ -174,8 +174,8 @@ class ConformanceReport:
             f"# zllm conformance: backend `{self.backend}` — {verdict}",
             "",
             f"- device: `{self.device}`",
-            f"- settings: " + ", ".join(f"{k}={v}" for k, v in s.items()),
-            f"- environment: " + ", ".join(f"{k} {v}" for k, v in self.environment.items()),
+            "- settings: " + ", ".join(f"{k}={v}" for k, v in s.items()),
+            "- environment: " + ", ".join(f"{k} {v}" for k, v in self.environment.items()),
             f"- kernel cases: {sum(r.passed for r in self.kernels)}/{len(self.kernels)} passed; "
             f"tolerance |out - ref| <= atol + rtol * |ref| with atol = rtol = 1e-2 unless a row says otherwise",
             "",

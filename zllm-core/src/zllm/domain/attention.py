@@ -133,7 +133,7 @@ def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window:
     n_seq = len(meta.query_lens)
     assert len(meta.context_lens) == n_seq and meta.block_tables.shape[0] == n_seq, meta
     assert sum(meta.query_lens) == t, (meta.query_lens, t)
-    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens)), meta
+    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens, strict=True)), meta
 
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     bs = k_cache.shape[1]

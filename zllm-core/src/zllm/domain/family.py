@@ -36,7 +36,7 @@ class FamilyInfo:
     factory: str
     description: str = ""
 
-    def load(self) -> "ModelFamily":
+    def load(self) -> ModelFamily:
         """Import and instantiate the family class."""
         module, _, attr = self.factory.partition(":")
         return getattr(importlib.import_module(module), attr)()

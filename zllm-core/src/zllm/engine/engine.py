@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from zllm.engine.loader import LoadedModel, auto_num_blocks, kv_cache_dtype, load_model
 from zllm.plugins.host import PluginHost
@@ -63,7 +64,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *, host: PluginHost | None = None,
                     on_tensor: Callable[[str, int], None] | None = None,
-                    on_start: Callable[[int], None] | None = None) -> "Engine":
+                    on_start: Callable[[int], None] | None = None) -> Engine:
         """Load the model a config names.
 
         Args:

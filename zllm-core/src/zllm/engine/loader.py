@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -21,8 +21,14 @@ from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
 from zllm.spec.config import ZllmConfig
-from zllm.spec.errors import (CapabilityError, CheckpointError, ConfigError, PluginError, TensorError,
-                              UnknownArchitectureError)
+from zllm.spec.errors import (
+    CapabilityError,
+    CheckpointError,
+    ConfigError,
+    PluginError,
+    TensorError,
+    UnknownArchitectureError,
+)
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
 

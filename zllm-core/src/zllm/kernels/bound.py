@@ -12,7 +12,7 @@ naming the op and the backend.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch

@@ -40,7 +40,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def zllm_backends() -> "list[BackendInfo]":
+def zllm_backends() -> list[BackendInfo]:
     """Publish the backends this plugin provides.
 
     Called: once per plugin host, after all entry points are loaded.
@@ -52,7 +52,7 @@ def zllm_backends() -> "list[BackendInfo]":
 
 
 @hookspec
-def zllm_model_families() -> "list[FamilyInfo]":
+def zllm_model_families() -> list[FamilyInfo]:
     """Publish the model families this plugin provides.
 
     Called: once per plugin host, after all entry points are loaded.
@@ -67,7 +67,7 @@ def zllm_model_families() -> "list[FamilyInfo]":
 
 
 @hookspec
-def zllm_register_kernels(registry: "KernelRegistry") -> None:
+def zllm_register_kernels(registry: KernelRegistry) -> None:
     """Register kernels (lazy ``"module:function"`` references) in the host's registry.
 
     Called: once per plugin host, after discovery, before any model is loaded.

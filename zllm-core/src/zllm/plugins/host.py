@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterable
 from importlib import metadata
-from typing import Iterable
 
 import attrs
 import pluggy

@@ -75,7 +75,7 @@ class ModelRunner:
                 tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
             else:
                 tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
-        return list(zip(sampling, tokens.tolist()))
+        return list(zip(sampling, tokens.tolist(), strict=True))
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """f32 ``[P, V]`` logits for every prompt position, through a throwaway KV handle."""

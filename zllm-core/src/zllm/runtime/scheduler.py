@@ -37,7 +37,7 @@ from collections import OrderedDict, deque
 import attrs
 
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
-from zllm.runtime.sequence import Sequence, SeqStatus
+from zllm.runtime.sequence import SeqStatus, Sequence
 from zllm.spec.errors import RequestError
 
 

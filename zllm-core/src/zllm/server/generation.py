@@ -56,7 +56,7 @@ class EngineStream:
 
     @classmethod
     async def open(cls, engine, metrics: ServerMetrics, request: dict[str, Any],
-                   renames: Mapping[str, str]) -> "EngineStream":
+                   renames: Mapping[str, str]) -> EngineStream:
         """Submit ``request`` (the engine's Request JSON) and fetch its first event.
 
         Raises:

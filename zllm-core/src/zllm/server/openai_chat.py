@@ -13,7 +13,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from zllm.server.common import SamplingFields, openai_usage, StrictModel, new_id, reject_if, sse, sse_response, state
+from zllm.server.common import SamplingFields, StrictModel, new_id, openai_usage, reject_if, sse, sse_response, state
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
 from zllm.server.openai_completions import StreamOptions

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from pydantic import Field
 from starlette.requests import Request
 
-from zllm.server.common import SamplingFields, openai_usage, StrictModel, new_id, reject_if, sse, sse_response, state
+from zllm.server.common import SamplingFields, StrictModel, new_id, openai_usage, reject_if, sse, sse_response, state
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
 

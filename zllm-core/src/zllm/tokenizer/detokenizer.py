@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
         else:
             # Only when the prompt context ends inside a byte run that the output continues.
             common = 0
-            for a, b in zip(prefix_text, new_text):
+            for a, b in zip(prefix_text, new_text, strict=True):
                 if a != b:
                     break
                 common += 1

@@ -236,7 +236,7 @@ class Tokenizer:
         enc = self._encode(text, parse_special=True)
         ids: list[int] = []
         pos = 0
-        for tid, (start, end) in zip(enc.ids, enc.offsets):
+        for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
             if tid not in self._special_ids or any(start < b and a < end for a, b in plain_spans):
                 continue
             if start > pos:

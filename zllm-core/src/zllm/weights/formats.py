@@ -75,7 +75,7 @@ BLOCK_LAYOUTS: dict[str, BlockLayout] = {
 ALL_FORMATS: tuple[str, ...] = ("f32", "f16", "bf16", *BLOCK_LAYOUTS)
 
 
-def format_of(weight: "torch.Tensor | QuantizedTensor") -> str:
+def format_of(weight: torch.Tensor | QuantizedTensor) -> str:
     """The format name of a weight: ``f32``/``f16``/``bf16`` or its block layout name.
 
     Raises:
@@ -124,9 +124,9 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def rows(self, index: torch.Tensor) -> "QuantizedTensor":
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows ``index`` (int64 ``[n]``) as a new quantized tensor of shape ``(n, cols)``."""
         return QuantizedTensor(self.data[index], self.fmt, (int(index.numel()), self.shape[1]))
 
-    def to(self, device: torch.device) -> "QuantizedTensor":
+    def to(self, device: torch.device) -> QuantizedTensor:
         return QuantizedTensor(self.data.to(device), self.fmt, self.shape)

@@ -22,7 +22,13 @@ from zllm.weights.checkpoint import Checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm.weights.gguf_header import GGUFFormatError, GGUFPartialBlockError, GGUFTensorInfo, read_gguf_header
 from zllm.weights.gguf_maps import (
-    ARCH_MAPS, REQUIRED, ROPE_ADJACENT_PAIR, ROPE_FREQS_TENSOR, GGUFArchMap, call_default, rope_scaling_config,
+    ARCH_MAPS,
+    REQUIRED,
+    ROPE_ADJACENT_PAIR,
+    ROPE_FREQS_TENSOR,
+    GGUFArchMap,
+    call_default,
+    rope_scaling_config,
 )
 
 # GGML tensor type → zllm format. Other types are reported by name and refused by tensor().

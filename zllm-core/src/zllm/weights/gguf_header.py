@@ -40,7 +40,12 @@ from typing import Any
 
 import numpy as np
 from gguf import (
-    GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, quant_shape_to_byte_shape,
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+    quant_shape_to_byte_shape,
 )  # fmt: skip
 
 SUPPORTED_VERSIONS = (2, 3)

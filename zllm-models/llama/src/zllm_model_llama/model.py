@@ -40,7 +40,7 @@ class LlamaLayer:
     k_norm: Any = None
 
     @classmethod
-    def from_weights(cls, w: dict[str, Any], i: int) -> "LlamaLayer":
+    def from_weights(cls, w: dict[str, Any], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
         proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -103,7 +103,7 @@ class LlamaModel:
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # the spec guarantees >= 1 layer
-        for i, (layer, window, kv_cache) in enumerate(zip(self.layers, self.spec.layer_windows, kv_caches)):
+        for i, (layer, window, kv_cache) in enumerate(zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)):
             attn = self.attention(layer, x, cos, sin, meta, kv_cache, window)  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
             mlp = self.mlp(layer, x)  # [T, C]
