@@ -255,7 +255,8 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
     if verified is not None:
         if not verified.is_file():
             raise ConfigError("--verified", f"{verified}: no such file")
-        path, shown = verified, str(verified)
+        path: Path | None = verified
+        shown = str(verified)
     else:
         # Shown relative to the repository root so COMPATIBILITY.md does not depend on
         # where the checkout lives.
@@ -283,7 +284,7 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
                 elif claim is not None:
                     cells.append(Cell(fam_name, be_name, fmt, weight_fmt, claim.status, (), claim.tests))
                 elif all(kernel_tests):
-                    tests = tuple(sorted({t for ts in kernel_tests for t in ts}))
+                    tests = tuple(sorted({t for ts in kernel_tests if ts for t in ts}))
                     cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "kernel-verified", (), tests))
                 else:
                     cells.append(Cell(fam_name, be_name, fmt, weight_fmt, "declared"))

@@ -22,7 +22,7 @@ import torch
 from zllm.plugin_api import SamplingRow
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
     """Per-row settings as an f32 ``[rows, 1]`` column on ``like``'s device."""
     return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]
 

@@ -41,7 +41,7 @@ def _rows(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight``: ``x`` f32 ``[T, K]``, ``weight [K]`` f32/f16/bf16 -> f32 ``[T, K]``."""
     t, k = x.shape
-    fn = _RMS_NORM.get(_WEIGHT.get(weight.dtype))
+    fn = _RMS_NORM.get(_WEIGHT.get(weight.dtype, ""))
     if fn is None or not _rows(x) or weight.stride(0) != 1 or tuple(weight.shape) != (k,):
         return norm.rms_norm(x, weight, eps)
     y = torch.empty(t, k)
@@ -53,7 +53,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual``, then ``(rms_norm(h), h)``: ``x``, ``residual`` f32 ``[T, K]`` -> two new f32 ``[T, K]``."""
     t, k = x.shape
-    fn = _ADD_RMS_NORM.get(_WEIGHT.get(weight.dtype))
+    fn = _ADD_RMS_NORM.get(_WEIGHT.get(weight.dtype, ""))
     if (fn is None or not _rows(x) or not _rows(residual) or residual.shape != x.shape or weight.stride(0) != 1
             or tuple(weight.shape) != (k,)):
         return norm.add_rms_norm(x, residual, weight, eps)

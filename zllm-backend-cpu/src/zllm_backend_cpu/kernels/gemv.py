@@ -61,11 +61,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Te
         RuntimeError: the native library is unavailable (see :mod:`.native`).
         ValueError: a weight format the native kernels do not have.
     """
+    fmt: str | None
     if isinstance(weight, QuantizedTensor):
         fmt, w = weight.fmt, weight.data  # uint8 [N, K / 32 * block bytes]
     else:
         fmt, w = _DENSE_FORMATS.get(weight.dtype), weight
-    fn = _BOUND.get(fmt) or _bind(fmt, weight)
+    fn = _BOUND.get(fmt or "") or _bind(fmt, weight)
     n, k = weight.shape
     t, xk = x.shape
     assert xk == k and x.dtype == torch.float32 and (bias is None or tuple(bias.shape) == (n,)), (

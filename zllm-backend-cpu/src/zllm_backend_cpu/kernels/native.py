@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch  # noqa: F401  (imported first; see the module doc)
@@ -70,7 +71,7 @@ def library() -> ctypes.CDLL:
 
 
 @functools.cache
-def function(name: str, *argtypes: type) -> ctypes._CFuncPtr:
+def function(name: str, *argtypes: type) -> Callable[..., None]:
     """The library's entry point ``name`` with its ``argtypes`` set (returning void), bound once.
 
     Raises:

@@ -140,10 +140,14 @@ def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
     global _last_plan
     query_lens, context_lens = meta.query_lens, meta.context_lens
     assert len(context_lens) == len(query_lens) and sum(query_lens) == t, meta
+    plan: tuple[int, array, list[int]]
     if len(query_lens) == t:
         plan = (t, array("q", context_lens), [])
     else:
-        rows, seqs, lens, prefill = [], [], [], []
+        rows: list[int] = []
+        seqs: list[int] = []
+        lens: list[int] = []
+        prefill: list[int] = []
         start = 0
         for s, n_q in enumerate(query_lens):
             if n_q == 1:
@@ -164,6 +168,7 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, pr
     for n_q in meta.query_lens:
         starts.append(starts[-1] + n_q)
     ranges = [(starts[s], starts[s + 1]) for s in prefill]
+    idx: slice | torch.Tensor
     if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):  # one contiguous run of rows
         idx = slice(ranges[0][0], ranges[-1][1])
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -59,7 +59,7 @@ class BackendInfo:
     priority: int = 0
     description: str = ""
 
-    def load_class(self) -> type:
+    def load_class(self) -> type[Any]:
         """Import the backend class. Raises ImportError/AttributeError from the plugin."""
         module, _, attr = self.factory.partition(":")
         return getattr(importlib.import_module(module), attr)

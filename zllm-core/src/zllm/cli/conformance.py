@@ -122,12 +122,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         print(f"SKIPPED e2e: {report.settings['e2e']}")
     for line in report.failures():
         print(line, file=sys.stderr)
-    written = None
+    write_error: OSError | None = None
     if args.report is not None:
         try:
             written = report.write(args.report)
         except OSError as exc:
-            written = exc
+            write_error = exc
         else:
             print(f"report: {written[0]} {written[1]}")
     n_failed = len(report.failures())
@@ -135,8 +135,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     print(f"conformance of backend {report.backend!r} on {report.device}: {verdict} — "
           f"{len(report.kernels)} kernel cases, {len(report.e2e)} models "
           f"({sum(r.status == 'skipped' for r in report.e2e)} skipped)")
-    if isinstance(written, OSError):  # after the verdict, so the run's outcome is not lost
-        raise ConfigError("--report", f"cannot write the report: {written}")
+    if write_error is not None:  # after the verdict, so the run's outcome is not lost
+        raise ConfigError("--report", f"cannot write the report: {write_error}")
     return 0 if report.passed else EXIT_FAILED
 
 

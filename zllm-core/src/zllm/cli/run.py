@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import attrs
 
@@ -36,7 +37,7 @@ def _progress():
     """tqdm byte progress for weight loading, only on a terminal."""
     if not sys.stderr.isatty():
         return None, None
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     bar: dict = {}
 
@@ -70,8 +71,8 @@ def _generate(engine, request: dict) -> str:
     """Stream one request's text to stdout and end the line; print its stats on stderr;
     return the text."""
     t0 = time.perf_counter()
-    first = None
-    final = None
+    first: float | None = None
+    final: dict[str, Any] = {}
     pieces = []
     for event in engine.generate_stream(request):
         if "finish_reason" in event:

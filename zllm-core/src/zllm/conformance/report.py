@@ -184,11 +184,11 @@ class ConformanceReport:
             "| kernel | capability | priority | cases passed | max abs err | max rel err |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
-        for r in self.kernel_summary():
-            prio = f"{r['priority']}{' (batch-invariant)' if r['batch_invariant'] else ''}"
-            skipped = f" ({r['skipped']} skipped)" if r["skipped"] else ""
-            lines.append(f"| `{r['kernel']}` | {r['capability']} | {prio} | {r['passed']}/{r['cases']}{skipped} | "
-                         f"{_fmt(r['max_abs_err'])} | {_fmt(r['max_rel_err'])} |")
+        for row in self.kernel_summary():
+            prio = f"{row['priority']}{' (batch-invariant)' if row['batch_invariant'] else ''}"
+            skipped = f" ({row['skipped']} skipped)" if row["skipped"] else ""
+            lines.append(f"| `{row['kernel']}` | {row['capability']} | {prio} | {row['passed']}/{row['cases']}{skipped} | "
+                         f"{_fmt(row['max_abs_err'])} | {_fmt(row['max_rel_err'])} |")
         lines += ["", "## End to end", ""]
         if self.e2e:
             lines += ["| model | status | mode | max abs err | tolerance | tokens / agreement | detail |",
@@ -204,10 +204,10 @@ class ConformanceReport:
         lines += ["", "## Kernel cases", "",
                   "| kernel | capability | case | result | max abs err | max rel err | detail |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-        for r in self.kernels:
-            shown = {"passed": "pass", "failed": "**FAIL**", "skipped": "skipped"}[r.status]
-            lines.append(f"| `{r.kernel}` | {r.capability} | {_md(r.case)} | {shown} | "
-                         f"{_fmt(r.max_abs_err)} | {_fmt(r.max_rel_err)} | {_md(r.detail)} |")
+        for c in self.kernels:
+            shown = {"passed": "pass", "failed": "**FAIL**", "skipped": "skipped"}[c.status]
+            lines.append(f"| `{c.kernel}` | {c.capability} | {_md(c.case)} | {shown} | "
+                         f"{_fmt(c.max_abs_err)} | {_fmt(c.max_rel_err)} | {_md(c.detail)} |")
         return "\n".join(lines) + "\n"
 
     def write(self, path: str | Path) -> tuple[Path, Path]:

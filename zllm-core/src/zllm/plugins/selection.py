@@ -8,6 +8,7 @@ chose and why; when nothing qualifies the error carries every candidate's reason
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import attrs
 
@@ -24,11 +25,11 @@ class BackendChoice:
     """The selected backend, its class, and why it was chosen."""
 
     info: BackendInfo
-    cls: type
+    cls: type[Any]
     reason: str
 
 
-def unavailable_reason(info: BackendInfo) -> tuple[type | None, str | None]:
+def unavailable_reason(info: BackendInfo) -> tuple[type[Any] | None, str | None]:
     """Import the backend class and ask it whether it can run here; a class that fails to
     import, or whose ``unavailable_reason()`` raises, is unavailable with that error as reason."""
     try:
@@ -70,6 +71,7 @@ def select_backend(host: PluginHost, name: str, needed: frozenset[Capability], f
         cls, why_not = unavailable_reason(info)
         if why_not is not None:
             raise BackendUnavailable(f"backend {name}: {why_not}")
+        assert cls is not None  # only a class that failed to import has no class, and it has a reason
         return BackendChoice(info, cls, f"backend {name!r} named in config")
     reasons: list[str] = []
     for info in sorted(host.backends.values(), key=lambda b: (-b.priority, b.name)):
@@ -81,6 +83,7 @@ def select_backend(host: PluginHost, name: str, needed: frozenset[Capability], f
         if why_not is not None:
             reasons.append(f"{info.name}: {why_not}")
             continue
+        assert cls is not None  # only a class that failed to import has no class, and it has a reason
         reason = f"auto: highest priority ({info.priority}) backend that is available and declares every capability"
         if reasons:
             reason += f"; skipped {'; '.join(reasons)}"

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import attrs
 import cattrs
+from attrs import AttrsInstance
 from cattrs.gen import make_dict_structure_fn
 
 from zllm.spec.errors import ConfigError
@@ -414,7 +415,7 @@ def _key_path(section: type, key: str) -> str:
 # Structuring
 # ---------------------------------------------------------------------------------------
 
-_T = TypeVar("_T")
+_T = TypeVar("_T", bound=AttrsInstance)
 
 
 def _make_converter() -> cattrs.Converter:

@@ -44,13 +44,13 @@ class ModelCard:
     source: str
     format: str = attrs.field(validator=attrs.validators.in_(CHECKPOINT_FORMATS))
     license: str
-    files: tuple[CardFile, ...] = attrs.field(converter=tuple)
+    files: tuple[CardFile, ...] = attrs.field(converter=tuple[CardFile, ...])
 
     def to_yaml(self) -> str:
         """The card as a YAML mapping, keys in attribute order; ``files`` is a list of mappings."""
         yaml = YAML(typ="safe", pure=True)
         yaml.default_flow_style = False
-        yaml.sort_base_mapping_type_on_output = False
+        yaml.sort_base_mapping_type_on_output = False  # type: ignore[assignment]  # annotated None in ruamel
         out = io.StringIO()
         data = attrs.asdict(self, recurse=True)
         data["files"] = list(data["files"])  # a YAML sequence, never a tagged tuple

@@ -98,7 +98,7 @@ def build_model_card(checkpoint: Checkpoint, family: str) -> ModelCard:
     relative to the checkpoint's directory (the GGUF file's own directory).
     """
     base = checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent
-    files = [CardFile(str(p.relative_to(base)), p.stat().st_size, sha256_file(p)) for p in checkpoint.files]
+    files = tuple(CardFile(str(p.relative_to(base)), p.stat().st_size, sha256_file(p)) for p in checkpoint.files)
     return ModelCard(
         family=family,
         architecture=checkpoint.architecture,

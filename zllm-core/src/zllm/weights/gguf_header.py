@@ -298,7 +298,7 @@ def read_gguf_header(path: Path | str) -> GGUFHeader:
     if size == 0:
         raise GGUFFormatError("truncated GGUF header: the file is empty")
     mapping = np.memmap(path, mode="c")  # copy-on-write: writable views, the file stays as it is
-    p = _Parser(memoryview(mapping), size)
+    p = _Parser(memoryview(mapping.data), size)
 
     magic = p.u32("magic")
     if magic != GGUF_MAGIC:

@@ -131,7 +131,7 @@ def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, conte
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise CheckpointError(source, f"sliding_window {window!r} is not a positive integer")
     # A window covering the whole context window masks nothing: that layer is full attention.
-    return tuple(window if t == SLIDING and window < context_length else None for t in types)
+    return tuple(window if t == SLIDING and window is not None and window < context_length else None for t in types)
 
 
 def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA) -> LlamaSpec:
