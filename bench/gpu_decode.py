@@ -198,7 +198,8 @@ def render_md(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda", help="backend name (default cuda)")
-    parser.add_argument("--device", default="cuda:0", help="device for the backend (default cuda:0; 'cpu' for the cpu backend)")
+    parser.add_argument("--device", default="cuda:0",
+                        help="device for the backend (default cuda:0; 'cpu' for the cpu backend)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="weight dtype (default bf16)")
     parser.add_argument("--tiny", action="store_true", help="a toy model instead of the 1B one (checks the script)")
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes (default 1,32)")
@@ -229,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         run["weight_bandwidth_pct"] = 100 * run["weight_GBps"] * 1e9 / bandwidth
         runs.append(run)
         print(f"batch {batch:3d}: {run['decode_tokens_per_s']:9.1f} tok/s, {run['step_ms']:7.2f} ms/step, "
-              f"weights {run['weight_GBps']:7.0f} GB/s = {run['weight_bandwidth_pct']:5.1f}% of copy bandwidth", flush=True)
+              f"weights {run['weight_GBps']:7.0f} GB/s = {run['weight_bandwidth_pct']:5.1f}% of copy bandwidth",
+              flush=True)
     result = {
         "model": built, "dtype": args.dtype, "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "copy_bandwidth_GBps": bandwidth / 1e9, "prompt_tokens": args.prompt_tokens, "warmup": args.warmup, "runs": runs,
+        "copy_bandwidth_GBps": bandwidth / 1e9, "prompt_tokens": args.prompt_tokens, "warmup": args.warmup,
+        "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_decode.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

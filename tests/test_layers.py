@@ -34,7 +34,8 @@ def lint(cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProce
     if pythonpath is not None:
         # ahead of the editable installs, so grimp analyses the copies
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def contracts() -> dict:

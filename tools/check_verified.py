@@ -45,7 +45,8 @@ def outcomes(junit_xml: Path) -> dict[tuple[str, str], str]:
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
         key = (case.get("classname", ""), case.get("name", ""))
         tags = {child.tag for child in case}
-        outcome = "failed" if "failure" in tags else "error" if "error" in tags else "skipped" if "skipped" in tags else "passed"
+        outcome = ("failed" if "failure" in tags else "error" if "error" in tags
+                   else "skipped" if "skipped" in tags else "passed")
         # a test that passed but errored in teardown appears twice; the worst outcome wins
         if result.get(key, "passed") == "passed":
             result[key] = outcome
@@ -87,7 +88,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if problems:
-        print(f"{len(problems)} of {count} tests listed in {verified_toml} did not pass in {junit_xml}:", file=sys.stderr)
+        print(f"{len(problems)} of {count} tests listed in {verified_toml} did not pass in {junit_xml}:",
+              file=sys.stderr)
         for line in problems:
             print(f"  {line}", file=sys.stderr)
         return 1

@@ -100,7 +100,8 @@ def test_auto_selection_skips_the_gpu_backends_with_their_reasons(host):
     choice = select_backend(host, "auto", LLAMA_F32_NEEDS, "llama")
     assert choice.info.name == "cpu"
     # highest priority first: cuda and rocm (20), then metal (10)
-    assert choice.reason.endswith(f"; skipped cuda: {REASONS['cuda']}; rocm: {REASONS['rocm']}; metal: {REASONS['metal']}")
+    assert choice.reason.endswith(
+        f"; skipped cuda: {REASONS['cuda']}; rocm: {REASONS['rocm']}; metal: {REASONS['metal']}")
 
 
 @pytest.mark.parametrize("name", sorted(REASONS))

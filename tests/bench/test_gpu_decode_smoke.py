@@ -16,8 +16,9 @@ SCRIPT = REPO / "bench" / "gpu_decode.py"
 
 
 def test_gpu_decode_reports_every_batch_size_of_a_tiny_model_on_the_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", "cpu", "--device", "cpu", "--tiny", "--batches", "1,3",
-                           "--prompt-tokens", "8", "--warmup", "1", "--steps", "4", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", "cpu", "--device", "cpu", "--tiny",
+                           "--batches", "1,3", "--prompt-tokens", "8", "--warmup", "1", "--steps", "4",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "gpu_decode.json").read_text())

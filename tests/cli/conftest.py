@@ -12,7 +12,9 @@ _SCRIPT = Path(sys.executable).with_name("zllm")
 ZLLM = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "zllm.cli.main"]
 
 
-def zllm(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+def zllm(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run ``zllm ARGS`` and capture its output; ``env`` entries are added to a clean copy
     of the environment (ZLLM_PLUGINS unset unless given)."""
     full_env = {k: v for k, v in os.environ.items() if k != "ZLLM_PLUGINS"}

@@ -167,7 +167,8 @@ def parse_plugin_table(stdout: str) -> list[dict[str, str]]:
     assert header.split() == PLUGIN_COLUMNS, header
     starts = [header.index(c) for c in PLUGIN_COLUMNS]
     bounds = list(zip(starts, starts[1:] + [None], strict=True))
-    return [{c: row[a:b].strip() for c, (a, b) in zip(PLUGIN_COLUMNS, bounds, strict=True)} for row in rows if row.strip()]
+    return [{c: row[a:b].strip() for c, (a, b) in zip(PLUGIN_COLUMNS, bounds, strict=True)}
+            for row in rows if row.strip()]
 
 
 def test_plugins_table_lists_cpu_and_llama_as_loaded():

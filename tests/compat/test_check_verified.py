@@ -51,7 +51,8 @@ def junit(tmp_path_factory) -> Path:
 def verified(tmp_path: Path, *tests: str) -> Path:
     path = tmp_path / "verified.toml"
     listed = ", ".join(f'"{t}"' for t in tests)
-    path.write_text(f'[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\ntests = [{listed}]\n', encoding="utf-8")
+    path.write_text(f'[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\ntests = [{listed}]\n',
+                    encoding="utf-8")
     return path
 
 
@@ -60,7 +61,8 @@ def run_checker(*args: Path) -> subprocess.CompletedProcess:
 
 
 def test_checker_passes_when_every_listed_test_passed(junit, tmp_path):
-    proc = run_checker(junit, verified(tmp_path, "e2e/test_sample.py::test_passes", "e2e/test_sample.py::TestGroup::test_param[f32]"))
+    proc = run_checker(junit, verified(tmp_path, "e2e/test_sample.py::test_passes",
+                                       "e2e/test_sample.py::TestGroup::test_param[f32]"))
     assert proc.returncode == 0, proc.stderr
     assert "2 tests listed" in proc.stdout and "all ran and passed" in proc.stdout
 
@@ -86,7 +88,8 @@ def test_checker_fails_naming_each_test_that_failed_was_skipped_or_did_not_run(j
 
 def test_checker_rejects_a_malformed_verified_file_naming_the_key(junit, tmp_path):
     bad = tmp_path / "verified.toml"
-    bad.write_text('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f8"\ntests = ["a.py::t"]\n', encoding="utf-8")
+    bad.write_text('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f8"\ntests = ["a.py::t"]\n',
+                   encoding="utf-8")
     proc = run_checker(junit, bad)
     assert proc.returncode == 2
     assert "cell[0].format" in proc.stderr and "'hf-f8'" in proc.stderr
@@ -104,4 +107,5 @@ def test_checker_holds_kernel_evidence_to_the_same_bar(junit, tmp_path):
                     'tests = ["e2e/test_sample.py::test_passes", "e2e/test_sample.py::test_fails"]\n', encoding="utf-8")
     proc = run_checker(junit, path)
     assert proc.returncode == 1
-    assert proc.stderr.splitlines()[1:] == ["  e2e/test_sample.py::test_fails: failed (listed for cuda rms_norm[f32] (kernel-verified))"]
+    assert proc.stderr.splitlines()[1:] == [
+        "  e2e/test_sample.py::test_fails: failed (listed for cuda rms_norm[f32] (kernel-verified))"]

@@ -169,7 +169,8 @@ def tiny(tmp_path):
 
 
 def test_wrong_kernel_fails_the_end_to_end_check(host, tiny):
-    host.kernels.register("rms_norm", "cpu", ("f32",), rms_norm_ignores_weight, priority=10)  # outranks every shipped kernel
+    # outranks every shipped kernel
+    host.kernels.register("rms_norm", "cpu", ("f32",), rms_norm_ignores_weight, priority=10)
 
     result = check_model(host, host.backends["cpu"], CpuBackend(threads=1), tiny)
 

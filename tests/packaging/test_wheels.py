@@ -50,7 +50,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(cmd: list, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=_clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _build_leftovers() -> set[Path]:
@@ -150,7 +151,8 @@ def _venv_with(tmp: Path, wheel_files: list[Path]) -> Path:
     made = _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
     assert made.returncode == 0, made.stderr
     python = venv / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).stdout.strip())
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=tmp).stdout.strip())
     (site / "zz_third_party.pth").write_text(f"{_third_party_only(tmp / 'third-party')}\n")
     installed = _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
                       "--quiet", *wheel_files], cwd=tmp)
@@ -182,13 +184,15 @@ def test_core_with_only_the_llama_family_lists_it_and_says_cpu_is_not_installed(
 def test_core_with_only_the_cpu_backend_lists_it_and_knows_no_architecture(wheels, tmp_path):
     bin_dir = _venv_with(tmp_path, [wheels["zllm-core"], wheels["zllm-backend-cpu"]])
     # zllm comes from the installed wheel, not from the repository's editable source.
-    where = _run([bin_dir / "python", "-c", "import zllm, zllm_backend_cpu; print(zllm.__file__); print(zllm_backend_cpu.__file__)"],
+    where = _run([bin_dir / "python", "-c",
+                  "import zllm, zllm_backend_cpu; print(zllm.__file__); print(zllm_backend_cpu.__file__)"],
                  cwd=tmp_path)
     assert where.returncode == 0, where.stderr
     for path in where.stdout.split():
         assert Path(path).is_relative_to(tmp_path / "venv"), where.stdout
     # the wheel's native kernel library loads (None: no reason it cannot be used)
-    native = _run([bin_dir / "python", "-c", "from zllm_backend_cpu.kernels.native import unavailable_reason as r; print(r())"],
+    native = _run([bin_dir / "python", "-c",
+                   "from zllm_backend_cpu.kernels.native import unavailable_reason as r; print(r())"],
                   cwd=tmp_path)
     assert native.stdout.strip() == "None", native.stdout + native.stderr
 

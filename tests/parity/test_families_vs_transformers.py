@@ -30,8 +30,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 # case -> (model_type, config overrides)
 CASES = {
     "llama-llama3": ("llama", dict(tie_word_embeddings=True, rope_parameters=LLAMA3)),
-    "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                                  "rope_theta": 10000.0})),
+    "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
     "llama-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
     "llama-dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})),
     "mistral-sliding": ("mistral", dict(sliding_window=6, tie_word_embeddings=False)),
@@ -97,7 +97,8 @@ def test_all_sliding_model_frees_blocks_outside_the_window_and_still_matches(tmp
     """Window 6, blocks of 4: 47 tokens would need 12 blocks; 5 suffice because blocks wholly
     before the window go back to the free list (chunked prefill of 4 tokens included)."""
     model, path = _save(tmp_path, "mistral-sliding")
-    cfg = write_config(tmp_path, path, runtime={"kv_cache": {"block_size": 4, "num_blocks": 5}, "max_prefill_tokens": 4})
+    cfg = write_config(tmp_path, path,
+                       runtime={"kv_cache": {"block_size": 4, "num_blocks": 5}, "max_prefill_tokens": 4})
     engine = zllm.Engine.from_config(cfg)
     kv = engine.llm.scheduler.kv
     assert kv.sliding_window == 6
@@ -127,7 +128,8 @@ def test_mixed_full_and_sliding_model_keeps_every_block(tmp_path):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"RoPE type 'longrope' is not supported \(supported rope_type: default, linear, dynamic, llama3, yarn\)"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+     r"RoPE type 'longrope' is not supported \(supported rope_type: default, linear, dynamic, llama3, yarn\)"),
     ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5 is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: silu\)"),
 ])
@@ -166,7 +168,8 @@ def _llama3_rope_factors(cfg) -> np.ndarray:
         elif wavelen > low_wl:
             out.append(p["factor"])
         else:
-            smooth = (p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
+            smooth = ((p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"])
+                      / (p["high_freq_factor"] - p["low_freq_factor"]))
             out.append(1 / ((1 - smooth) / p["factor"] + smooth))
     return np.array(out, dtype=np.float32)
 
@@ -201,7 +204,8 @@ def _write_gguf(model, dst, arch: str, extra_kv=None, extra_tensors=None):
     for key, field in vocab.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
-            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+            w.add_key_value(key, field.contents(), vtype,
+                            sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not cfg.tie_word_embeddings:
@@ -229,7 +233,8 @@ def _write_gguf(model, dst, arch: str, extra_kv=None, extra_tensors=None):
 STR, F32, U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32
 
 
-@pytest.mark.parametrize("case", ["qwen2-bias-tied", "qwen3-headdim", "qwen3-bias-tied-yarn", "llama-llama3", "llama-linear"])
+@pytest.mark.parametrize("case", ["qwen2-bias-tied", "qwen3-headdim", "qwen3-bias-tied-yarn", "llama-llama3",
+                                  "llama-linear"])
 def test_gguf_written_from_hf_checkpoint_matches_hf_directory(tmp_path, case):
     model, path = _save(tmp_path, case)
     arch, cfg = CASES[case][0], model.config

@@ -60,7 +60,8 @@ def random_kquant(fmt: str, rows: int, cols: int, std: float, rng: np.random.Gen
     def set_scales(d: np.ndarray) -> None:
         raw[..., F16_FIELDS[fmt][0] : F16_FIELDS[fmt][0] + 2] = d.astype("<f2")[..., None].view(np.uint8)
         if fmt in DMIN_RATIO:
-            raw[..., F16_FIELDS[fmt][1] : F16_FIELDS[fmt][1] + 2] = (d * DMIN_RATIO[fmt]).astype("<f2")[..., None].view(np.uint8)
+            dmin = (d * DMIN_RATIO[fmt]).astype("<f2")
+            raw[..., F16_FIELDS[fmt][1] : F16_FIELDS[fmt][1] + 2] = dmin[..., None].view(np.uint8)
 
     jitter = rng.uniform(0.75, 1.25, raw.shape[:2])  # each super-block its own d
     set_scales(jitter)

@@ -53,7 +53,8 @@ class PluginFactory:
         info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir(parents=True)
         requires = f"Requires-Dist: zllm-core{requires_core}\n" if requires_core else ""
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n{requires}", encoding="utf-8")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n{requires}",
+                                       encoding="utf-8")
         (info / "entry_points.txt").write_text(f"[zllm]\n{ep_name} = {module}\n", encoding="utf-8")
         (ep,) = [ep for d in metadata.distributions(path=[str(site)]) for ep in d.entry_points if ep.group == "zllm"]
         return ep

@@ -45,7 +45,8 @@ def test_installed_plugin_accepts_this_zllm_core_version(host, name):
     rec = next(r for r in host.records if r.name == name)
     core = metadata.version("zllm-core")
     assert rec.requires_core, f"{rec.distribution} does not pin a zllm-core range"
-    assert core in SpecifierSet(rec.requires_core), f"{rec.distribution} requires zllm-core{rec.requires_core}, installed {core}"
+    assert core in SpecifierSet(rec.requires_core), (
+        f"{rec.distribution} requires zllm-core{rec.requires_core}, installed {core}")
 
 
 def _published() -> PluginHost:

@@ -15,7 +15,8 @@ from zllm.spec.errors import KernelNotFound
 def test_duplicate_registration_raises_naming_the_first_registrant():
     reg = KernelRegistry()
     reg.register("linear", "acme", ("f32",), "torch:matmul", registered_by="zllm-backend-acme")
-    with pytest.raises(ValueError, match=r"already registered by zllm-backend-acme \(torch:matmul\); pass replace=True"):
+    with pytest.raises(ValueError,
+                       match=r"already registered by zllm-backend-acme \(torch:matmul\); pass replace=True"):
         reg.register("linear", "acme", ("f32",), "torch:mm", registered_by="zllm-kernels-fast")
     assert reg.lookup("linear", "acme", "f32").entry.name == "torch:matmul"
 

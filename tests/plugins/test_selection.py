@@ -16,7 +16,8 @@ NEEDS_F32 = frozenset({Capability("linear", "f32"), Capability("rms_norm", "f32"
 
 
 def test_explicit_unknown_backend_lists_installed_backends_and_unloaded_plugins(plugins):
-    eps = [plugins.backend("alpha"), plugins.backend("beta"), plugins.dist("broken", "raise ImportError('no libfoo')\n")]
+    eps = [plugins.backend("alpha"), plugins.backend("beta"),
+           plugins.dist("broken", "raise ImportError('no libfoo')\n")]
     with pytest.warns(UserWarning):
         host = PluginHost(entry_points=eps)
     with pytest.raises(PluginError) as info:
@@ -28,7 +29,8 @@ def test_explicit_unknown_backend_lists_installed_backends_and_unloaded_plugins(
 
 def test_explicit_unknown_backend_with_the_real_plugins_lists_cpu():
     host = PluginHost()
-    with pytest.raises(PluginError, match=r"backend 'tpu' is not provided by any loaded plugin \(loaded backends: [^)]*\bcpu\b"):
+    with pytest.raises(PluginError,
+                       match=r"backend 'tpu' is not provided by any loaded plugin \(loaded backends: [^)]*\bcpu\b"):
         select_backend(host, "tpu", NEEDS_F32, "llama")
 
 
@@ -85,7 +87,8 @@ def test_auto_with_nothing_viable_raises_carrying_every_candidates_reason(plugin
         plugins.backend("fast", caps=F32, priority=30, unavailable="no device found"),
         plugins.backend("partial", caps='"linear[f32]"', priority=20),
     ])
-    with pytest.raises(PluginError, match=r"no backend can run model family 'llama': fast: no device found; partial: lacks rms_norm\[f32\]"):
+    with pytest.raises(PluginError, match=r"no backend can run model family 'llama': "
+                                          r"fast: no device found; partial: lacks rms_norm\[f32\]"):
         select_backend(host, "auto", NEEDS_F32, "llama")
 
 
@@ -105,5 +108,6 @@ def test_backend_class_failing_to_import_is_a_reason_not_a_crash(plugins):
                                 capabilities=frozenset({Capability("linear", "f32"), Capability("rms_norm", "f32")}))]
     '''
     host = PluginHost(entry_points=[plugins.dist("ghost", src)])
-    with pytest.raises(PluginError, match=r"ghost: backend class zllm_no_such_module_xyz:Backend failed to import: ModuleNotFoundError"):
+    with pytest.raises(PluginError, match=r"ghost: backend class zllm_no_such_module_xyz:Backend "
+                                          r"failed to import: ModuleNotFoundError"):
         select_backend(host, "auto", NEEDS_F32, "llama")

@@ -238,7 +238,8 @@ def build_tiny_chat(dst: Path, max_seeds: int = 20) -> TinyChat:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg).to(torch.float32).eval()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            out = model.generate(torch.tensor([prompt_ids]),
+                                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                                  do_sample=False, max_new_tokens=TINY_CHAT_MAX_TOKENS, eos_token_id=eos,
                                  pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
         new = out.sequences[0, len(prompt_ids):].tolist()

@@ -62,7 +62,8 @@ def model_shapes(name: str, fused: bool = False) -> list[tuple[int, int]]:
     if fused:
         layer = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn)]
     else:
-        layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
+        layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+                 (ffn, hidden), (ffn, hidden), (hidden, ffn)]
     return layer * layers + [(vocab, hidden)]
 
 
@@ -131,8 +132,8 @@ def run_fusions(args, g: torch.Generator) -> None:
                 got = measure({"separate": lambda: [kernel(x, w) for w in parts], "fused": lambda: kernel(x, fused)},
                               args.repeats, args.round_s)
                 sep, fus = got["separate"][0], got["fused"][0]
-                print(f"{name:>14} {fmt:>5} {kernel_name:>7} {sep * 1e6:>12.1f} {fus * 1e6:>9.1f} {1 - fus / sep:>6.0%}",
-                      flush=True)
+                print(f"{name:>14} {fmt:>5} {kernel_name:>7} "
+                      f"{sep * 1e6:>12.1f} {fus * 1e6:>9.1f} {1 - fus / sep:>6.0%}", flush=True)
 
 
 def run_model(args, g: torch.Generator) -> None:

@@ -38,7 +38,8 @@ def test_sliding_attention_matches_reference_without_reading_freed_blocks(batch,
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     expected = sliding_window_attention(q, k, v, k_ref, v_ref, meta, window)
     got = attention_sliding(q, k, v, k_cache, v_cache, meta, window)
-    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num()) and torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
+    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -27,7 +27,8 @@ from zllm_backend_cpu.kernels.invariant import (
 
 def _weight(fmt: str, n: int, k: int, g: torch.Generator):
     if fmt in ("f32", "f16", "bf16"):
-        return torch.randn(n, k, generator=g).to(getattr(torch, {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[fmt]))
+        dtype = getattr(torch, {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[fmt])
+        return torch.randn(n, k, generator=g).to(dtype)
     layout = BLOCK_LAYOUTS[fmt]
     data = torch.randint(0, 256, (n, k // layout.block_size * layout.type_size), dtype=torch.uint8, generator=g)
     scales = data.view(n, -1, layout.type_size)[..., :2]  # q8_0 / q4_0: a leading f16 scale per block
@@ -91,7 +92,8 @@ def _run_chunked(kernel, chunks: list[int], h: int, hkv: int, d: int, bs: int, g
         slots = perm[pos // bs] * bs + pos % bs
         meta = AttentionMetadata(slot_mapping=slots, block_tables=table, query_lens=(n,), context_lens=(done + n,),
                                  scale=d ** -0.5)
-        outs.append(kernel(q_all[done:done + n], k_all[done:done + n], v_all[done:done + n], k_cache, v_cache, meta, **kw))
+        outs.append(kernel(q_all[done:done + n], k_all[done:done + n], v_all[done:done + n], k_cache, v_cache, meta,
+                           **kw))
         done += n
     return torch.cat(outs)
 
@@ -119,4 +121,5 @@ def test_every_cpu_capability_has_a_batch_invariant_kernel_and_mode_off_keeps_th
         fast = reg.lookup(cap.op, "cpu", cap.variant)
         assert fast.entry.priority >= 0  # the invariant kernels sit below every fast one
     assert reg.lookup("linear", "cpu", "q4_k").entry.name.endswith("linear:linear_quant")
-    assert reg.lookup("linear", "cpu", "q4_k", batch_invariant=True).entry.name.endswith("invariant:linear_quant_invariant")
+    invariant = reg.lookup("linear", "cpu", "q4_k", batch_invariant=True)
+    assert invariant.entry.name.endswith("invariant:linear_quant_invariant")

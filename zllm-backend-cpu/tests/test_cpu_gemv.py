@@ -61,7 +61,8 @@ def assert_within_quantization_bound(got: torch.Tensor, x: torch.Tensor, w: Quan
     err = (got.double() - ref).abs()
     worst = int((err - bound - rounding).argmax())
     assert bool((err <= bound + rounding).all()), (
-        f"error {err.view(-1)[worst]:.3g} > bound {bound.view(-1)[worst]:.3g} + rounding {rounding.view(-1)[worst]:.3g}")
+        f"error {err.view(-1)[worst]:.3g} > bound {bound.view(-1)[worst]:.3g} "
+        f"+ rounding {rounding.view(-1)[worst]:.3g}")
 
 
 @contextlib.contextmanager
@@ -281,7 +282,8 @@ def test_without_the_library_the_torch_kernels_run_and_say_why(tmp_path):
     pkg = tmp_path / "zllm_backend_cpu"
     shutil.copytree(LIBRARY_PATH.parent, pkg, ignore=shutil.ignore_patterns("_native.so", "__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"FROM {pkg / '__init__.py'}"

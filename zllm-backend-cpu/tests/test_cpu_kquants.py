@@ -69,7 +69,8 @@ def test_linear_matches_reference(fmt, t, n, k_blocks, bias, tiny_tiles, seed):
 
 
 @settings(max_examples=25, deadline=None)
-@given(fmt=st.sampled_from(KQUANTS), v=st.integers(1, 30), k_blocks=st.integers(1, 2), t=st.integers(0, 9), seed=st.integers(0, 2**16))
+@given(fmt=st.sampled_from(KQUANTS), v=st.integers(1, 30), k_blocks=st.integers(1, 2), t=st.integers(0, 9),
+       seed=st.integers(0, 2**16))
 def test_embedding_matches_reference_exactly(fmt, v, k_blocks, t, seed):
     g = torch.Generator().manual_seed(seed)
     w = make_kquant(fmt, v, QK_K * k_blocks, g)

@@ -33,7 +33,8 @@ def kernels(impl: str):
 @IMPLS
 @settings(max_examples=30, deadline=None)
 @given(
-    t=st.sampled_from([1, 2, 7]), k=st.integers(1, 300), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    t=st.sampled_from([1, 2, 7]), k=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16),
 )
 def test_rms_norm_matches_reference(impl, t, k, dtype, eps, seed):
@@ -72,8 +73,8 @@ def test_silu_mul_matches_reference(impl, t, n, seed):
 
 @IMPLS
 @settings(max_examples=25, deadline=None)
-@given(t=st.sampled_from([1, 2, 7]), k=st.integers(1, 300), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
+@given(t=st.sampled_from([1, 2, 7]), k=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_add_rms_norm_matches_reference(impl, t, k, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x, r = torch.randn(t, k, generator=g) * 4, torch.randn(t, k, generator=g)

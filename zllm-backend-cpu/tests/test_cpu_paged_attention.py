@@ -53,7 +53,8 @@ def run_and_compare(kernel, reference, q, k, v, k_cache, v_cache, meta):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     expected = reference(q, k, v, k_ref, v_ref, meta)
     got = kernel(q, k, v, k_cache, v_cache, meta)
-    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num()) and torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
+    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
     assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v), strict=True)), "an input was written"
     return got, expected
 
@@ -91,7 +92,8 @@ def test_long_context_decode_matches_reference(cache_dtype, window):
     if window:
         meta = drop_outside_window(k_cache, v_cache, meta, window)
         got, expected = run_and_compare(lambda *a: attention_sliding(*a, window),
-                                        lambda *a: sliding_window_attention(*a, window), q, k, v, k_cache, v_cache, meta)
+                                        lambda *a: sliding_window_attention(*a, window),
+                                        q, k, v, k_cache, v_cache, meta)
     else:
         got, expected = run_and_compare(attention, ref_attention, q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -150,7 +152,8 @@ def test_kv_write_skips_padding_slots(cache_dtype):
           hkv, d, k_cache.data_ptr(), v_cache.data_ptr(), nb * bs, 2)
     kept = slots >= 0
     k_flat, v_flat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
-    assert torch.equal(k_flat[slots[kept]], k[kept].to(cache_dtype)) and torch.equal(v_flat[slots[kept]], v[kept].to(cache_dtype))
+    assert torch.equal(k_flat[slots[kept]], k[kept].to(cache_dtype))
+    assert torch.equal(v_flat[slots[kept]], v[kept].to(cache_dtype))
     others = torch.ones(nb * bs, dtype=torch.bool)
     others[slots[kept]] = False
     assert torch.equal(k_flat[others], k_before.view(nb * bs, hkv, d)[others])
@@ -225,4 +228,5 @@ def test_small_calls_run_on_one_thread_and_large_ones_on_two_with_the_same_bits(
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[0], ref_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0], ref_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta),
+                               atol=1e-5, rtol=1e-5)

@@ -37,7 +37,8 @@ def make_rows(settings_list, seeds):
 
 
 @settings(max_examples=50, deadline=None)
-@given(data=st.data(), vocab=st.sampled_from([1, 2, 7, 100, 1000]), n_rows=st.integers(1, 6), seed=st.integers(0, 2**20))
+@given(data=st.data(), vocab=st.sampled_from([1, 2, 7, 100, 1000]), n_rows=st.integers(1, 6),
+       seed=st.integers(0, 2**20))
 def test_sample_kernel_equals_reference(data, vocab, n_rows, seed):
     cfg = [data.draw(row_settings(vocab)) for _ in range(n_rows)]
     seeds = [seed + i for i in range(n_rows)]

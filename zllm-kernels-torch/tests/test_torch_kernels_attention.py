@@ -26,7 +26,8 @@ def batches(draw, sliding: bool):
     for _ in range(draw(st.integers(1, 5))):
         n_ctx = draw(st.integers(1, 33))
         spans.append((draw(st.sampled_from([1, n_ctx, max(1, n_ctx // 2)])), n_ctx))
-    return dict(h=h, hkv=hkv, d=draw(st.sampled_from([4, 16, 64])), bs=draw(st.sampled_from([1, 4, 7, 16])), spans=spans,
+    return dict(h=h, hkv=hkv, d=draw(st.sampled_from([4, 16, 64])), bs=draw(st.sampled_from([1, 4, 7, 16])),
+                spans=spans,
                 window=draw(st.integers(1, 12)) if sliding else None,
                 cache_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
                 seed=draw(st.integers(0, 2**16)))
@@ -46,7 +47,8 @@ def build(h, hkv, d, bs, spans, window, cache_dtype, seed):
             tables[s, : first_window_block(n_q, n_ctx, window, bs)] = -1  # freed by the KV cache
     caches = [torch.randn(len(pool), bs, hkv, d, generator=g).to(cache_dtype) for _ in range(2)]
     t = sum(n_q for n_q, _ in spans)
-    q, k, v = torch.randn(t, h, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    q = torch.randn(t, h, d, generator=g)
+    k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
     meta = AttentionMetadata(torch.cat(slots), tables, tuple(n for n, _ in spans), tuple(c for _, c in spans), d**-0.5)
     return q, k, v, caches, meta
 

@@ -19,7 +19,8 @@ SEEDS = st.integers(0, 2**16)
 
 
 @settings(max_examples=25, deadline=None)
-@given(t=st.integers(1, 9), k=st.integers(1, 300), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+@given(t=st.integers(1, 9), k=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        eps=st.sampled_from([1e-6, 1e-5, 0.0]), seed=SEEDS)
 def test_rms_norm_and_fused_add_match_reference(t, k, dtype, eps, seed):
     g = torch.Generator().manual_seed(seed)
@@ -33,8 +34,8 @@ def test_rms_norm_and_fused_add_match_reference(t, k, dtype, eps, seed):
 
 
 @settings(max_examples=25, deadline=None)
-@given(t=st.integers(1, 9), h=st.integers(1, 5), d=st.sampled_from([2, 8, 64, 96]), layout=st.sampled_from(["neox", "gptj"]),
-       seed=SEEDS)
+@given(t=st.integers(1, 9), h=st.integers(1, 5), d=st.sampled_from([2, 8, 64, 96]),
+       layout=st.sampled_from(["neox", "gptj"]), seed=SEEDS)
 def test_rope_matches_reference_for_each_layout(t, h, d, layout, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, d, generator=g)

@@ -47,7 +47,8 @@ def test_batched_sample_equals_reference_and_advances_generators_alike(batch):
     logits, chosen, seed = batch
     mine, reference = rows_of(chosen, seed), rows_of(chosen, seed)
     assert torch.equal(sample(logits, mine), ref_sample(logits, reference))
-    assert all(torch.equal(a.generator.get_state(), b.generator.get_state()) for a, b in zip(mine, reference, strict=True))
+    assert all(torch.equal(a.generator.get_state(), b.generator.get_state())
+               for a, b in zip(mine, reference, strict=True))
 
 
 def test_greedy_rows_are_argmax_of_penalised_logits_and_leave_generators_untouched():

@@ -33,7 +33,8 @@ def run_both(batch, tuning, window=None):
     else:
         expected = ref_sliding_window_attention(q, k, v, k_ref, v_ref, meta, window)
         got = attention_sliding(q, k, v, k_cache, v_cache, meta, window, tuning=tuning)
-    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num()) and torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
+    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
     assert got.shape == q.shape and got.dtype == torch.float32
     return got, expected
 

@@ -31,7 +31,8 @@ def test_linear_q8_0_matches_reference(t, n, k_blocks, bias, tiles, row_view, se
     w = random_q8_0(n, k, g)
     x = torch.randn(t, k + 5, generator=g)[:, 2 : k + 2] if row_view else torch.randn(t, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    tuning = Tuning() if tiles is None else Tuning(linear_block_m=tiles[0], linear_block_n=tiles[1], linear_block_k=tiles[2])
+    tuning = (Tuning() if tiles is None
+              else Tuning(linear_block_m=tiles[0], linear_block_n=tiles[1], linear_block_k=tiles[2]))
     got = linear_q8_0(x, w, b, tuning=tuning)
     assert got.shape == (t, n) and got.dtype == torch.float32
     # exact dequantized weights, f32 products, another summation order: 1e-4
@@ -51,6 +52,7 @@ def test_hand_built_q8_0_blocks_decode_scale_and_signed_quants():
                       torch.tensor([0x00, 0x00], dtype=torch.uint8), torch.ones(32, dtype=torch.uint8)])
     w = QuantizedTensor(torch.stack([row0, row1]), "q8_0", (2, 64))
     x = torch.ones(1, 64)
-    out = linear_q8_0(x, w, torch.tensor([0.25, 0.0]), tuning=Tuning(linear_block_m=4, linear_block_n=4, linear_block_k=32))
+    out = linear_q8_0(x, w, torch.tensor([0.25, 0.0]),
+                      tuning=Tuning(linear_block_m=4, linear_block_n=4, linear_block_k=32))
     expected_row0 = -0.5 * sum(range(-16, 16)) + 2.0**-24 * 127 * 32 + 0.25
     torch.testing.assert_close(out, torch.tensor([[expected_row0, -128.0]]), atol=0, rtol=1e-6)

@@ -69,7 +69,8 @@ def test_rows_register_under_names_that_show_module_function_and_tuning():
         registry.register(op, "cuda", variants, fn, registered_by="zllm-backend-cuda")
     choice = registry.lookup("rope", "cuda", "gptj")
     assert choice.entry.name == "zllm_kernels_triton.rope:rope_gptj[cuda-sm90]"
-    assert registry.lookup("linear", "cuda", "q8_0").entry.name == "zllm_kernels_triton.quant_matmul:linear_q8_0[cuda-sm90]"
+    assert (registry.lookup("linear", "cuda", "q8_0").entry.name
+            == "zllm_kernels_triton.quant_matmul:linear_q8_0[cuda-sm90]")
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

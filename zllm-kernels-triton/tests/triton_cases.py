@@ -31,7 +31,8 @@ def small_tuning(block: int, **overrides) -> Tuning:
 
 
 #: Tile choices: 4/8/16-wide tiles, and the GPU defaults (16-padded dots, 64-wide tiles).
-TUNINGS = st.sampled_from(["4", "8", "16", "default"]).map(lambda b: Tuning() if b == "default" else small_tuning(int(b)))
+TUNINGS = st.sampled_from(["4", "8", "16", "default"]).map(
+    lambda b: Tuning() if b == "default" else small_tuning(int(b)))
 
 
 @st.composite

@@ -92,7 +92,9 @@ def sdpa_attention(q_new, k_all, v_all, scale):
     mask = torch.arange(n_ctx)[None, :] <= torch.arange(n_ctx - n_q, n_ctx)[:, None]  # bottom-right causal
     rep = h // hkv
     o = F.scaled_dot_product_attention(
-        q_new.transpose(0, 1), k_all.repeat_interleave(rep, 1).transpose(0, 1), v_all.repeat_interleave(rep, 1).transpose(0, 1),
+        q_new.transpose(0, 1),
+        k_all.repeat_interleave(rep, 1).transpose(0, 1),
+        v_all.repeat_interleave(rep, 1).transpose(0, 1),
         attn_mask=mask, scale=scale,
     )
     return o.transpose(0, 1)

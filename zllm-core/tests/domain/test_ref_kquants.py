@@ -180,7 +180,8 @@ def test_packed_block_decodes_to_its_formula(fmt, seed, d, dmin):
     else:
         m = rng.integers(mins[0], mins[1] + 1, QK_K // sub).astype(np.int64)
         block = pack(q, sc, m, d, dmin)
-        expected = np.repeat(d32 * sc.astype(np.float32), sub) * q.astype(np.float32) - np.repeat(dmin32 * m.astype(np.float32), sub)
+        expected = (np.repeat(d32 * sc.astype(np.float32), sub) * q.astype(np.float32)
+                    - np.repeat(dmin32 * m.astype(np.float32), sub))
     assert block.size == BLOCK_LAYOUTS[fmt].type_size
     got = dequantize(QuantizedTensor(torch.from_numpy(block.reshape(1, -1)), fmt, (1, QK_K)))
     assert_bitwise_equal_nan_aware(got, torch.from_numpy(expected.astype(np.float32)).reshape(1, QK_K))
@@ -197,7 +198,8 @@ def test_q4_k_hand_built_block():
     block = np.array([0x00, 0x3C, 0x00, 0x38, *scales] + [0x21] * 128, dtype=np.uint8)
     # qs byte 0x21: low nibble 1 -> sub-blocks 0, 2, 4, 6 have q = 1; high nibble 2 -> 1, 3, 5, 7 have q = 2
     sc, mn, q = [1, 2, 3, 4, 17, 33, 49, 63], [0, 1, 2, 3, 16, 32, 48, 62], [1, 2, 1, 2, 1, 2, 1, 2]
-    expected = torch.tensor([1.0 * s * qq - 0.5 * m for s, m, qq in zip(sc, mn, q, strict=True)]).repeat_interleave(32)[None]
+    expected = torch.tensor([1.0 * s * qq - 0.5 * m for s, m, qq in zip(sc, mn, q, strict=True)])
+    expected = expected.repeat_interleave(32)[None]
     got = dequantize(QuantizedTensor(torch.from_numpy(block.reshape(1, 144)), "q4_k", (1, 256)))
     assert got[0, 0] == 1.0 and got[0, 255] == 63 * 2 - 31.0
     assert torch.equal(got, expected)

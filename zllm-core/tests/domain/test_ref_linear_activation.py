@@ -23,7 +23,9 @@ def random_q8_0(rows: int, cols: int, g: torch.Generator) -> QuantizedTensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(t=st.integers(1, 5), n=st.integers(1, 40), k=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(t=st.integers(1, 5), n=st.integers(1, 40), k=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_linear_dense_is_f_linear_on_upcast_weight(t, n, k, dtype, bias, seed):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g).to(dtype)

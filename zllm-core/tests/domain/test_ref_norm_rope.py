@@ -94,7 +94,8 @@ def test_gptj_rope_equals_neox_rope_on_llama_cpp_permuted_rows():
     x = torch.randn(t, heads, d)
     cos, sin = rope_cos_sin(torch.arange(t) * 37, default_inv_freq(d, 10000.0))
     to_interleaved = torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=-1).flatten()
-    torch.testing.assert_close(apply_rope_gptj(x[..., to_interleaved], cos, sin), apply_rope(x, cos, sin)[..., to_interleaved])
+    torch.testing.assert_close(apply_rope_gptj(x[..., to_interleaved], cos, sin),
+                               apply_rope(x, cos, sin)[..., to_interleaved])
 
 
 def test_add_rms_norm_returns_the_normed_sum_and_the_sum():

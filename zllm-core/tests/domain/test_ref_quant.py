@@ -31,10 +31,12 @@ def quantized_bytes(draw, fmt: str) -> tuple[np.ndarray, int, int]:
     layout = BLOCK_LAYOUTS[fmt]
     rows = draw(st.integers(1, 4))
     n_blocks = draw(st.integers(1, 4))
-    raw = np.frombuffer(draw(st.binary(min_size=rows * n_blocks * layout.type_size, max_size=rows * n_blocks * layout.type_size)), dtype=np.uint8)
+    size = rows * n_blocks * layout.type_size
+    raw = np.frombuffer(draw(st.binary(min_size=size, max_size=size)), dtype=np.uint8)
     raw = raw.copy().reshape(rows, n_blocks, layout.type_size)
     scale_bits = draw(
-        st.lists(st.one_of(st.integers(0, 0xFFFF), st.sampled_from(SPECIAL_F16_BITS)), min_size=rows * n_blocks, max_size=rows * n_blocks)
+        st.lists(st.one_of(st.integers(0, 0xFFFF), st.sampled_from(SPECIAL_F16_BITS)),
+                 min_size=rows * n_blocks, max_size=rows * n_blocks)
     )
     raw[..., :2] = np.array(scale_bits, dtype="<u2").reshape(rows, n_blocks, 1).view(np.uint8)
     return raw.reshape(rows, n_blocks * layout.type_size), rows, n_blocks * layout.block_size

@@ -92,7 +92,8 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert sample_row(pair, row(temperature=0.0)) == 1
     assert sample_row(pair, row(temperature=0.0, repetition_penalty=1.1, output_token_ids=torch.tensor([1]))) == 0
     # prompt and output tokens both count, repeats do not compound
-    r = row(temperature=0.0, repetition_penalty=1.1, prompt_token_ids=torch.tensor([1, 1]), output_token_ids=torch.tensor([1, 1]))
+    r = row(temperature=0.0, repetition_penalty=1.1, prompt_token_ids=torch.tensor([1, 1]),
+            output_token_ids=torch.tensor([1, 1]))
     assert sample_row(pair, r) == 0
     assert sample_row(torch.tensor([-1.05, -0.95]), r) == 1  # -0.95 * 1.1 = -1.045 > -1.05: applied once
 
@@ -104,7 +105,8 @@ def test_presence_and_frequency_penalties_follow_openai_math():
     prompt = torch.tensor([2, 2, 2])
     # logit -= presence * (count > 0) + frequency * count
     # presence 1, frequency 0.5: [5 - 1 - 1, 4 - 1 - 0.5, 3.2, 0] = [3, 2.5, 3.2, 0] -> token 2
-    r = row(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, output_token_ids=out_ids, prompt_token_ids=prompt)
+    r = row(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, output_token_ids=out_ids,
+            prompt_token_ids=prompt)
     assert sample_row(logits, r) == 2
     # presence 0, frequency 0.9: [5 - 1.8, 4 - 0.9, 3.2, 0] = [3.2, 3.1, 3.2, 0] -> tie -> lowest index 0
     r = row(temperature=0.0, frequency_penalty=0.9, output_token_ids=out_ids, prompt_token_ids=prompt)
@@ -121,7 +123,11 @@ def test_presence_and_frequency_penalties_follow_openai_math():
 )
 def test_seeded_draws_are_reproducible_and_valid(v, seed, temperature, top_k, top_p, min_p):
     logits = torch.randn(3, v, generator=gen(seed)) * 3
-    make = lambda: [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=gen(seed + i)) for i in range(3)]  # noqa: E731
+
+    def make():
+        return [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=gen(seed + i))
+                for i in range(3)]
+
     a, b = sample(logits, make()), sample(logits, make())
     assert a.dtype == torch.int64 and a.shape == (3,)
     assert torch.equal(a, b)
@@ -136,6 +142,7 @@ def test_draw_follows_the_distribution():
     logits = torch.tensor([0.0, math.log(2.0), math.log(5.0)])
     p = torch.softmax(logits, 0)
     n = 3000
-    counts = torch.bincount(torch.tensor([sample_row(logits, row(generator=gen(s))) for s in range(n)]), minlength=3).float()
+    draws = torch.tensor([sample_row(logits, row(generator=gen(s))) for s in range(n)])
+    counts = torch.bincount(draws, minlength=3).float()
     sigma = (p * (1 - p) / n).sqrt()
     assert bool(((counts / n - p).abs() < 4 * sigma).all()), counts / n

@@ -59,7 +59,8 @@ def test_minimal_config_takes_every_default(base: dict[str, Any], ckpt_dir: Path
     assert cfg.model.path == str(ckpt_dir)
     assert (cfg.model.format, cfg.model.dtype) == ("hf", "auto")
     assert (cfg.backend.name, cfg.backend.threads, cfg.backend.force_reference) == ("auto", None, ())
-    assert (cfg.runtime.kv_cache.block_size, cfg.runtime.kv_cache.num_blocks, cfg.runtime.kv_cache.dtype) == (16, None, "f32")
+    kv_cache = cfg.runtime.kv_cache
+    assert (kv_cache.block_size, kv_cache.num_blocks, kv_cache.dtype) == (16, None, "f32")
     assert (cfg.runtime.max_num_seqs, cfg.runtime.max_prefill_tokens) == (8, 512)
     assert (cfg.runtime.context_length, cfg.runtime.prefix_cache_seqs) == (None, 4)
     assert cfg.generation == GenerationDefaults()
@@ -356,7 +357,9 @@ def valid_configs(draw: st.DrawFn, ckpt_dir: Path, gguf_file: Path) -> dict[str,
         st.sampled_from([(ckpt_dir, "auto"), (ckpt_dir, "hf"), (gguf_file, "auto"), (gguf_file, "gguf")])
     )
     data: dict[str, Any] = {"schema_version": draw(st.sampled_from([0, 1])), "model": {"path": str(path)}}
-    data["model"].update(draw(_optional_keys(format=st.just(fmt), dtype=st.sampled_from(["auto", "f32", "f16", "bf16"]))))
+    data["model"].update(
+        draw(_optional_keys(format=st.just(fmt), dtype=st.sampled_from(["auto", "f32", "f16", "bf16"])))
+    )
     sections = _optional_keys(
         backend=_optional_keys(
             name=_names, threads=_ints_or_null, force_reference=st.lists(_names, max_size=4)

@@ -53,7 +53,9 @@ def test_config_prompt_is_not_a_request_default() -> None:
 
 
 def test_normalisation() -> None:
-    req = parse_request({"prompt_token_ids": [1, 2, 3], "stop": "\n", "temperature": 1, "stop_token_ids": [0]}, DEFAULTS)
+    req = parse_request(
+        {"prompt_token_ids": [1, 2, 3], "stop": "\n", "temperature": 1, "stop_token_ids": [0]}, DEFAULTS
+    )
     assert req.prompt is None and req.prompt_token_ids == (1, 2, 3)
     assert req.stop == ("\n",) and req.stop_token_ids == (0,)
     assert req.temperature == 1.0 and isinstance(req.temperature, float)
@@ -97,7 +99,9 @@ BAD_FIELDS = [
     ("stop", "", "expected a non-empty string or a list of at most 16 non-empty strings, got ''"),
     ("stop", [1], "expected a non-empty string or a list of at most 16 non-empty strings, got [1]"),
     ("stop", {"a": 1}, "expected a non-empty string or a list of at most 16 non-empty strings, got {'a': 1}"),
-    ("stop", ["s"] * 17, "expected a non-empty string or a list of at most 16 non-empty strings, got ['s', 's', 's', 's', 's', 's', 's', 's', ...]"),
+    ("stop", ["s"] * 17,
+     "expected a non-empty string or a list of at most 16 non-empty strings, "
+     "got ['s', 's', 's', 's', 's', 's', 's', 's', ...]"),
     ("stop_token_ids", [1.0], "expected a list of token ids (ints >= 0), got [1.0]"),
     ("add_bos", 1, "expected true, false or null, got 1"),
 ]
@@ -114,7 +118,8 @@ def test_bad_field_is_named(field: str, value: Any, message: str) -> None:
 
 @pytest.mark.parametrize(
     ("field", "suggestion"),
-    [("temprature", "temperature"), ("max_token", "max_tokens"), ("stop_tokens_ids", "stop_token_ids"), ("promt", "prompt")],
+    [("temprature", "temperature"), ("max_token", "max_tokens"), ("stop_tokens_ids", "stop_token_ids"),
+     ("promt", "prompt")],
 )
 def test_unknown_field_suggests_the_close_one(field: str, suggestion: str) -> None:
     with pytest.raises(RequestError) as exc:

@@ -132,7 +132,8 @@ def test_add_eos_key_appends_eos():
 def test_unsupported_tokenizer_model_names_the_file_the_value_and_the_supported_ones():
     meta = _stories_meta()
     meta["tokenizer.ggml.model"] = "rwkv"
-    with pytest.raises(CheckpointError, match=r"x\.gguf: unsupported tokenizer\.ggml\.model 'rwkv'; supported: 'llama', 'gpt2'"):
+    with pytest.raises(CheckpointError,
+                       match=r"x\.gguf: unsupported tokenizer\.ggml\.model 'rwkv'; supported: 'llama', 'gpt2'"):
         Tokenizer.from_gguf_metadata(meta, "x.gguf")
 
 

@@ -149,4 +149,5 @@ def test_tokenizer_json_matches_transformers_on_generated_strings(stories_hf, st
 @given(ids=st.lists(st.integers(0, 511), max_size=40))
 def test_decode_matches_transformers_on_arbitrary_ids(stories_hf, stories_transformers, ids):
     for skip in (True, False):
-        assert stories_hf.decode(ids, skip_special_tokens=skip) == stories_transformers.decode(ids, skip_special_tokens=skip)
+        assert (stories_hf.decode(ids, skip_special_tokens=skip)
+                == stories_transformers.decode(ids, skip_special_tokens=skip))

@@ -114,7 +114,8 @@ def test_directory_without_config_json(tmp_path):
 def test_directory_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"no weights: expected model.safetensors or model.safetensors.index.json; found pytorch_model.bin"):
+    with pytest.raises(CheckpointError, match=r"no weights: expected model.safetensors or "
+                                              r"model.safetensors.index.json; found pytorch_model.bin"):
         open_checkpoint(tmp_path)
 
 
