@@ -14,6 +14,7 @@ from tests.conftest import MODEL_DIR
 from tests.server.conftest import start_server
 
 EXIT_BOUND_S = 60  # a server still running after this failed the test
+STREAMS = 4
 LONG = {"prompt": "Zebra umbrella quietly", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
@@ -49,7 +50,7 @@ def test_sigterm_under_load_ends_what_is_left_after_the_shutdown_timeout_and_exi
             results[i] = (r.status_code, dict(r.headers), lines)
 
     try:
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
         for t in threads:
             t.start()
         assert started.wait(EXIT_BOUND_S), "no stream started"
@@ -59,14 +60,18 @@ def test_sigterm_under_load_ends_what_is_left_after_the_shutdown_timeout_and_exi
         assert srv.proc.wait(timeout=EXIT_BOUND_S) == 0, srv.log.read_text()
     finally:
         srv.stop()
-    assert len(results) == 3
-    running = [r for r in results.values() if r[0] == 200]
-    queued = [r for r in results.values() if r[0] != 200]
-    assert len(running) == 1, results
-    last = json.loads(running[0][2][-1])
-    assert last["error"]["code"] == "server_shutting_down" and "server.shutdown_timeout_s" in last["error"]["message"]
-    assert len(running[0][2]) > 1  # tokens came before the error event
-    for status, headers, (body,) in queued:
-        assert status == 503 and headers["x-should-retry"] == "false"
-        err = json.loads(body)["error"]
-        assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+    assert len(results) == STREAMS
+    ended_by_shutdown = 0
+    for status, headers, lines in results.values():
+        if status != 200:  # still queued when the shutdown timeout ran out
+            assert status == 503 and headers["x-should-retry"] == "false"
+            err = json.loads(lines[0])["error"]
+            assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+            ended_by_shutdown += 1
+        elif lines[-1] != "[DONE]":  # running then: tokens, then the error event
+            err = json.loads(lines[-1])["error"]
+            assert err["code"] == "server_shutting_down" and "server.shutdown_timeout_s" in err["message"]
+            assert len(lines) > 1
+            ended_by_shutdown += 1
+    # Each stream needs seconds alone; at most the first can have finished in the timeout.
+    assert ended_by_shutdown >= STREAMS - 1, results
