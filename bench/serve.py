@@ -51,6 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="leave out transformers' batched generate")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per HF worker / per server run")
     p.add_argument("--json", metavar="OUT", type=Path, help="write settings and every measurement here")
+    load = p.add_argument_group("load run (bench/serve_load.py): --load-s switches to it")
+    load.add_argument("--load-s", type=float, default=None, help="seconds of load over all four POST routes")
+    load.add_argument("--load-concurrency", type=int, default=16, help="closed-loop clients during the load")
+    load.add_argument("--disconnect-frac", type=float, default=0.1, help="requests dropped after the first event")
+    load.add_argument("--malformed-frac", type=float, default=0.05, help="requests sent with a malformed body")
+    load.add_argument("--rss-interval-s", type=float, default=0.5, help="seconds between server RSS samples")
+    load.add_argument("--num-blocks", type=int, default=None,
+                      help="KV blocks (default: every client's request fits; fewer forces preemption)")
+    load.add_argument("--request-timeout-s", type=float, default=None, help="server.request_timeout_s")
     args = p.parse_args(argv)
     if args.model not in MODELS:
         p.error(f"unknown model {args.model!r}; known: {', '.join(MODELS)}")
@@ -65,9 +74,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch-invariant takes on, off or on,off; got {args.batch_invariant!r}")
     args.batch_invariant = list(dict.fromkeys(modes))
     args.requests = args.requests or max(args.concurrency)
-    for name in ("max_tokens", "prompt_tokens", "requests", "threads"):
+    for name in ("max_tokens", "prompt_tokens", "requests", "threads", "load_concurrency"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("disconnect_frac", "malformed_frac"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if args.load_s is not None and not args.load_s > 0:
+        p.error("--load-s must be > 0")
     return args
 
 
@@ -281,9 +295,42 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join([line(cols), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def load_main(model_dir: Path, args) -> int:
+    """``--load-s``: one server under the load of bench/serve_load.py; 0 when it held."""
+    from serve_load import format_load, run_load, with_chat_template
+
+    with tempfile.TemporaryDirectory(prefix="zllm-bench-load-") as tmp:
+        served = with_chat_template(model_dir, Path(tmp))
+        # The chat routes' prompts are text through a template: room for 64 prompt tokens.
+        sizing = argparse.Namespace(**{**vars(args), "concurrency": [args.load_concurrency],
+                                       "prompt_tokens": max(args.prompt_tokens, 64)})
+        config = server_config(served, args.model, sizing, batch_invariant=False)
+        if args.num_blocks is not None:
+            config["runtime"]["kv_cache"]["num_blocks"] = args.num_blocks
+        if args.request_timeout_s is not None:
+            config["server"]["request_timeout_s"] = args.request_timeout_s
+        server = ServerProcess(config, Path(tmp), args.threads)
+        try:
+            server.wait_healthy()
+            report = run_load(server, args.model, args)
+        finally:
+            server.stop()
+        report["exit_status"] = server.proc.returncode
+    report["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    print(format_load(report))
+    print(f"server exit status after SIGTERM: {report['exit_status']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[bench-serve] wrote {args.json}")
+    return 0 if report["held"] and report["exit_status"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = ensure(args.model)
+    if args.load_s is not None:
+        return load_main(model_dir, args)
     info = model_info(model_dir)
     if args.prompt_tokens + args.max_tokens > info["context_length"]:
         print(f"[bench-serve] {args.model}: prompt + max tokens exceed its context of {info['context_length']}",

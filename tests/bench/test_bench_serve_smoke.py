@@ -46,3 +46,27 @@ def test_bench_serve_prints_a_row_per_level_and_transformers(tmp_path: Path) -> 
     assert sorted(int(c) for c in levels) == [1, 2, 4]
     assert all(len(lv["ttft_s"]) == 4 for lv in levels.values())
     assert report["transformers"]["generated_tokens"] == 16
+
+
+@pytest.mark.slow
+def test_bench_serve_load_run_reports_statuses_ttft_rss_and_kv_after_the_load(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "serve.py"), "--model", "stories260k", "--load-s", "3",
+         "--load-concurrency", "4", "--max-tokens", "8", "--threads", "1", "--rss-interval-s", "0.2",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^load: 4 clients for .* requests .* — HELD$", proc.stdout, re.M), proc.stdout
+    for line in ("statuses: ", "TTFT p50 ", "server RSS: ", "KV after the load: ",
+                 "server exit status after SIGTERM: 0"):
+        assert line in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    assert report["held"] and report["exit_status"] == 0 and not report["failures"]
+    assert report["requests"] == sum(report["statuses"].values()) > 0
+    assert set(report["by_route"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+    assert report["statuses"].get("200", 0) > 0 and report["ttft_p50_s"] is not None
+    assert report["rss_mib"] and all(mib > 0 for _, mib in report["rss_mib"])
+    assert report["kv_after"]["zllm_kv_blocks_running"] == 0
+    assert report["kv_after"]["zllm_kv_blocks_free"] == report["kv_idle"]["zllm_kv_blocks_free"]

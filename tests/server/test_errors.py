@@ -87,6 +87,23 @@ def test_malformed_bodies_are_400_on_every_openai_route(server, content):
         openai_error(post(server, path, content=content), 400)
 
 
+DEEP = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+HUGE_INT = b'{"prompt": "Once", "max_tokens": ' + b"9" * 5000 + b"}"
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (DEEP, "nested too deeply"),
+    (HUGE_INT, "integer literal of more than"),
+    (b"{\"prompt\": \"\xc3\x28\"}", "not UTF-8 text"),  # a UTF-8 lead byte without its continuation
+])
+def test_unparsable_json_bodies_say_why_on_every_route(server, content, says):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        err = openai_error(post(server, path, content=content), 400)
+        assert err["code"] == "invalid_json" and says in err["message"], err
+    err = anthropic_error(post(server, "/v1/messages", content=content))
+    assert says in err["message"], err
+
+
 @pytest.mark.parametrize("content", [b"{", b"[]", b"null"])
 def test_malformed_bodies_are_400_in_anthropic_shape(server, content):
     anthropic_error(post(server, "/v1/messages", content=content))

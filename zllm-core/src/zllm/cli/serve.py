@@ -1,4 +1,5 @@
-"""``zllm serve``: the HTTP server (OpenAI and Anthropic APIs) under uvicorn."""
+"""``zllm serve``: the HTTP server (OpenAI and Anthropic APIs) under uvicorn; exits 0 after a
+graceful stop (SIGTERM or SIGINT, see :mod:`zllm.server.uvicorn_server`)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               port=args.port if args.port is not None else server.port)
         cfg = attrs.evolve(cfg, server=server)
     _check_can_listen(server.host, server.port)
-    import uvicorn
-
     from zllm.engine.engine import Engine
     from zllm.server import create_app, served_model_name
+    from zllm.server.uvicorn_server import serve
 
     engine = Engine.from_config(cfg)
     app = create_app(engine)
     print(f"zllm: serving {served_model_name(engine)!r} on http://{server.host}:{server.port}", file=sys.stderr,
           flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=args.log_level, access_log=args.access_log)
+    serve(app, server.host, server.port, log_level=args.log_level, access_log=args.access_log)
     return 0

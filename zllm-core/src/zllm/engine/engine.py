@@ -18,9 +18,10 @@ from zllm.engine.loader import LoadedModel, auto_num_blocks, kv_cache_dtype, loa
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
+from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
 from zllm.runtime.sequence import Sequence
 from zllm.spec.config import ZllmConfig, config_from_dict, load_config
-from zllm.spec.errors import ConfigError, RequestError
+from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
 from zllm.spec.request import GenerationRequest, make_delta_event, make_final_event, make_response, parse_request
 from zllm.tokenizer.chat import render_chat
 
@@ -118,14 +119,25 @@ class Engine:
         add = self.tokenizer.add_bos if req.add_bos is None else req.add_bos
         return self.tokenizer.encode(req.prompt, add_special_tokens=add)
 
-    def submit(self, request: dict[str, Any] | GenerationRequest) -> Sequence:
-        """Validate, tokenize and queue a request; return its sequence handle."""
+    def submit(self, request: dict[str, Any] | GenerationRequest, *, deadline: float | None = None) -> Sequence:
+        """Validate, tokenize and queue a request; return its sequence handle.
+
+        ``deadline``: a :func:`time.monotonic` time after which the runtime drops the request,
+        queued or running, within one step (its outputs then raise :class:`DeadlineExceeded`).
+        """
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
         ids = self.prompt_ids(req)
         with self._lock:
             seq = self.llm.add_request(req, ids, req.max_tokens)
+            seq.deadline = deadline
             self._queues[seq.seq_id] = deque()
         return seq
+
+    def drain(self, deadline: float) -> None:
+        """Bound every request's deadline, queued, running or submitted later, by ``deadline``
+        (:func:`time.monotonic` seconds): a server shutting down ends what is left then.
+        Callable from any thread without the engine lock (one attribute store)."""
+        self.llm.scheduler.drain_deadline = deadline
 
     def _outputs(self, seq: Sequence) -> Iterator[StepOutput]:
         """This sequence's step outputs, stepping the engine as needed."""
@@ -134,6 +146,9 @@ class Engine:
             while True:
                 while queue:
                     out = queue.popleft()
+                    if seq.finish_reason in (EXPIRED_WAITING, EXPIRED_RUNNING):
+                        raise DeadlineExceeded(queued=seq.finish_reason == EXPIRED_WAITING,
+                                               output_tokens=len(seq.output_ids))
                     yield out
                     if out.finished:
                         return
@@ -152,11 +167,16 @@ class Engine:
         with self._lock:
             return self.llm.prompt_logits(list(prompt_ids))
 
-    def generate_stream(self, request: dict[str, Any] | GenerationRequest) -> Iterator[dict[str, Any]]:
+    def generate_stream(self, request: dict[str, Any] | GenerationRequest, *,
+                        deadline: float | None = None) -> Iterator[dict[str, Any]]:
         """Stream events: one per step that produced output (``text`` delta and
         ``token_ids``), then a final event with ``finish_reason`` and ``usage``.
-        Closing the iterator early aborts the request and frees its KV cache."""
-        seq = self.submit(request)
+        Closing the iterator early aborts the request and frees its KV cache.
+
+        Raises:
+            DeadlineExceeded: from the iterator, once ``deadline`` (see :meth:`submit`) passed.
+        """
+        seq = self.submit(request, deadline=deadline)
         return self._stream_events(seq)
 
     def _stream_events(self, seq: Sequence) -> Iterator[dict[str, Any]]:
@@ -165,9 +185,14 @@ class Engine:
                 yield make_delta_event(out.text, list(out.token_ids))
         yield make_final_event(seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
 
-    def generate(self, request: dict[str, Any] | GenerationRequest) -> dict[str, Any]:
-        """Run a request to completion; return ``text``, ``token_ids``, ``finish_reason``, ``usage``."""
-        seq = self.submit(request)
+    def generate(self, request: dict[str, Any] | GenerationRequest, *,
+                 deadline: float | None = None) -> dict[str, Any]:
+        """Run a request to completion; return ``text``, ``token_ids``, ``finish_reason``, ``usage``.
+
+        Raises:
+            DeadlineExceeded: ``deadline`` (see :meth:`submit`) passed first.
+        """
+        seq = self.submit(request, deadline=deadline)
         text = "".join(out.text for out in self._outputs(seq))
         return make_response(text, list(seq.output_ids), seq.finish_reason, len(seq.prompt_ids),
                              len(seq.output_ids), seq.cached_tokens)

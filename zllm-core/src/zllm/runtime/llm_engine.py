@@ -97,11 +97,13 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Run one step; return the outputs it produced."""
+        """Run one step; return the outputs it produced: first one finished output (no
+        tokens, finish reason ``expired``) per sequence whose deadline had passed, then the
+        step's tokens."""
+        outputs = [StepOutput(seq, "", (), True) for seq in self.scheduler.expire(time.monotonic())]
         scheduled = self.scheduler.schedule()
         if scheduled is None:
-            return []
-        outputs = []
+            return outputs
         now = time.perf_counter()
         for seq, token in self.runner.execute(scheduled):
             if seq.first_token_time is None:

@@ -26,6 +26,12 @@ Policy (vLLM's, with mixed batches):
   sequence stops with finish reason ``length`` when it fills the pool
   (:attr:`Scheduler.max_tokens_per_seq`). So :class:`~zllm.runtime.kv_cache.OutOfKVBlocks`
   never escapes a step, and no request fails because of another.
+- **Deadlines.** Before each step, :meth:`Scheduler.expire` drops every sequence whose
+  ``deadline`` (or the scheduler's ``drain_deadline``) has passed: a queued one leaves the
+  queue without ever being prefilled, a running one is aborted and its KV blocks freed. Its
+  owner learns it from that step's outputs (finish reason :data:`EXPIRED_WAITING` or
+  :data:`EXPIRED_RUNNING`), so a request is
+  answered within one step of its deadline even while it waits for admission.
 
 :attr:`Scheduler.stats` counts what the steps contained (for tests and metrics).
 """
@@ -39,6 +45,11 @@ import attrs
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.sequence import SeqStatus, Sequence
 from zllm.spec.errors import RequestError
+
+EXPIRED_WAITING, EXPIRED_RUNNING = "expired_waiting", "expired_running"
+"""``Sequence.finish_reason`` of a sequence dropped at its deadline while queued / running
+(never a protocol's finish reason: the engine turns both into
+:class:`~zllm.spec.errors.DeadlineExceeded`)."""
 
 
 @attrs.frozen
@@ -65,6 +76,8 @@ class SchedulerStats:
         max_decodes_per_step: the most sequences one Decode Round held.
         preemptions: running sequences preempted (KV freed, recomputed later).
         admission_waits: steps in which the queue head waited for KV blocks.
+        expired_waiting, expired_running: sequences dropped at their deadline while queued
+            (never prefilled) / while running (KV freed).
     """
 
     steps: int = 0
@@ -74,6 +87,8 @@ class SchedulerStats:
     max_decodes_per_step: int = 0
     preemptions: int = 0
     admission_waits: int = 0
+    expired_waiting: int = 0
+    expired_running: int = 0
 
 
 class PrefixCache:
@@ -153,6 +168,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._promised = 0
+        # A monotonic time that bounds every sequence's deadline (set once by a draining
+        # server from another thread; a float store is atomic, and the next expire reads it).
+        self.drain_deadline: float | None = None
 
     @property
     def max_tokens_per_seq(self) -> int | None:
@@ -287,6 +305,30 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self.prefix_cache.park(seq.all_ids, seq.kv)
         seq.kv = SeqKV()
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Drop the sequences whose deadline is at or before ``now`` (:func:`time.monotonic`
+        seconds): queued ones leave the queue unprefilled, running ones are aborted with
+        their KV blocks freed; finish reason :data:`EXPIRED_WAITING` / :data:`EXPIRED_RUNNING`.
+
+        Returns:
+            The dropped sequences, queued ones first.
+        """
+        drain = self.drain_deadline
+
+        def due(seq: Sequence) -> bool:
+            deadline = seq.deadline if drain is None else min(drain, seq.deadline or drain)
+            return deadline is not None and deadline <= now
+
+        waiting = [s for s in self.waiting if due(s)]
+        running = [s for s in self.running if due(s)]
+        for seqs, reason in ((waiting, EXPIRED_WAITING), (running, EXPIRED_RUNNING)):
+            for seq in seqs:
+                self.abort(seq)
+                seq.finish_reason = reason
+        self.stats.expired_waiting += len(waiting)
+        self.stats.expired_running += len(running)
+        return waiting + running
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:

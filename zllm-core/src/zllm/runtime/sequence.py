@@ -24,6 +24,10 @@ class Sequence:
     computes the next tokens from there; when it reaches the end a new token is sampled. So
     a New Prefill, an Append Prefill (cached prefix or chunked prompt) and a Decode Round
     are the same operation on different spans.
+
+    ``deadline`` is a :func:`time.monotonic` time (seconds) after which the scheduler drops
+    the sequence, queued or running (:meth:`zllm.runtime.scheduler.Scheduler.expire`); None
+    = no limit.
     """
 
     def __init__(self, seq_id: int, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int,
@@ -43,6 +47,7 @@ class Sequence:
         self.generator = generator
         self.prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int64)
         self.first_token_time: float | None = None
+        self.deadline: float | None = None
 
     @property
     def num_computed(self) -> int:

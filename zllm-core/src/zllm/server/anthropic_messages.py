@@ -108,7 +108,7 @@ def _stop_reason(finish_reason: str, stop_sequence: str | None) -> str:
 async def messages(body: MessagesRequest, request: Request):
     st = state(request)
     st.check_model(body.model)
-    stream = await EngineStream.open(st.engine, st.metrics, engine_request(body), RENAMES)
+    stream = await EngineStream.open(st, request, engine_request(body), RENAMES)
     mid = new_id("msg_")
     stops = body.stop_sequences or []
 

@@ -8,6 +8,8 @@ answered 500 in the same shape, and the server keeps serving.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -60,8 +62,8 @@ def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = M
         elif exc.status_code == 413:
             code = "request_too_large"
         elif exc.status_code == 400 and message == "There was an error parsing the body":
-            # FastAPI's answer to a body that is not UTF-8 (or not decodable at all).
-            message, code = "the request body is not valid JSON: it is not UTF-8 text", "invalid_json"
+            # FastAPI's answer to any failure of json.loads but a syntax error; the cause says which.
+            message, code = body_parse_error(exc.__cause__), "invalid_json"
         # Keep the exception's headers: a 405 must name the allowed methods (RFC 9110 Allow).
         return error_response(request.url.path, ApiError(exc.status_code, message, code=code), exc.headers)
 
@@ -98,8 +100,24 @@ def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = M
     return _BodyLimit(_CountRequests(app), max_body_bytes)
 
 
+def body_parse_error(cause: BaseException | None) -> str:
+    """The message for a request body that ``json.loads`` failed on with ``cause`` (other than
+    a syntax error, which pydantic reports with its position)."""
+    if isinstance(cause, RecursionError):
+        return ("the request body is not valid JSON here: its arrays/objects are nested too deeply to parse "
+                f"(Python's json parser stops near {sys.getrecursionlimit()} levels)")
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (f"the request body is not valid JSON here: it holds an integer literal of more than "
+                f"{sys.get_int_max_str_digits()} digits")
+    if isinstance(cause, UnicodeDecodeError):
+        return "the request body is not valid JSON: it is not UTF-8 text"
+    return f"the request body could not be parsed as JSON ({type(cause).__name__}: {cause})"
+
+
 class _CountRequests:
-    """ASGI middleware: count every answered HTTP request by route template and status."""
+    """ASGI middleware: stamp every HTTP request's arrival (``scope["state"]["zllm_arrival"]``,
+    :func:`time.monotonic` seconds, before its body is read: ``server.request_timeout_s``
+    counts from there) and count every answered one by route template and status."""
 
     def __init__(self, app: FastAPI):
         self.app = app
@@ -108,6 +126,7 @@ class _CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["zllm_arrival"] = time.monotonic()
         status = {"code": 500}
 
         async def send_wrapper(message):

@@ -7,8 +7,10 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
+import anyio
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -21,13 +23,29 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """The engine behind the app and what the routes report about it."""
+    """The engine behind the app and what the routes report about it.
+
+    Attributes:
+        limiter: the worker threads engine calls run in, one per possible connection
+            (``server.max_connections``) plus headroom, so no request waits for a thread.
+        shutdown_deadline: :func:`time.monotonic` time at which a shutdown ends what is
+            left, or None while serving.
+    """
 
     def __init__(self, engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
+        self.limiter = anyio.CapacityLimiter(engine.config.server.max_connections + 8)
+        self.shutdown_deadline: float | None = None
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Give every request, queued or running, at most ``timeout_s`` more seconds: the
+        engine drops what is left then, and the routes answer it 503 (or a last ``error``
+        event) with ``x-should-retry: false``."""
+        self.shutdown_deadline = time.monotonic() + timeout_s
+        self.engine.drain(self.shutdown_deadline)
 
     def check_model(self, model: str | None) -> None:
         """Raises ApiError 404 unless ``model`` is the served name (None = the served model)."""
@@ -111,11 +129,14 @@ def sse(data: Any, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
-def sse_response(body, stream, *, anthropic: bool = False) -> StreamingResponse:
+def sse_response(body, stream, *, anthropic: bool = False,
+                 error_event: Callable[[ApiError], str] | None = None) -> StreamingResponse:
     """A ``text/event-stream`` response whose engine stream is closed however it ends.
 
-    An error after the response has started cannot change its status any more; it is logged
-    and sent as a last ``error`` event in the protocol's error shape."""
+    An error after the response has started cannot change its status any more; it is sent
+    as a last event: ``error_event(err)`` when given (Responses numbers its events), else the
+    protocol's error body (an ``event: error`` on Anthropic's routes, bare ``data:`` on
+    OpenAI's). Errors that are not :class:`ApiError` are logged and reported as 500s."""
 
     async def guarded():
         try:
@@ -127,8 +148,11 @@ def sse_response(body, stream, *, anthropic: bool = False) -> StreamingResponse:
             else:
                 log.exception("error while streaming")
                 err = ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
-            path = ANTHROPIC_PATHS[0] if anthropic else ""
-            yield sse(error_body(path, err), "error" if anthropic else None)
+            if error_event is not None:
+                yield error_event(err)
+            else:
+                path = ANTHROPIC_PATHS[0] if anthropic else ""
+                yield sse(error_body(path, err), "error" if anthropic else None)
 
     return StreamingResponse(
         guarded(), media_type="text/event-stream",

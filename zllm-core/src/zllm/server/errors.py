@@ -21,8 +21,12 @@ from starlette.responses import JSONResponse
 
 ANTHROPIC_PATHS = ("/v1/messages",)
 
+SHOULD_RETRY_HEADER = "x-should-retry"
+"""Response header both official SDKs read before their own retry rules (openai-python and
+anthropic-sdk-python ``_should_retry``)."""
+
 # HTTP status -> (OpenAI error type, Anthropic error type)
-_TYPES = {
+ERROR_TYPES = {
     400: ("invalid_request_error", "invalid_request_error"),
     404: ("invalid_request_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
@@ -43,11 +47,16 @@ class ApiError(Exception):
         param: the request field at fault, in the protocol's own naming
             (``messages[0].content``), or None.
         code: a machine-readable code (OpenAI's ``code``), e.g. ``model_not_found``.
+        retry: False for work the server chose to abandon (a deadline passed, a shutdown):
+            the answer carries ``x-should-retry: false``, which the openai and anthropic SDKs
+            honour instead of retrying a 408 or 5xx. None leaves the client to decide.
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry: bool | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry = retry
 
 
 def unsupported(field: str, why: str = "") -> ApiError:
@@ -65,7 +74,7 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(path: str, err: ApiError) -> dict[str, Any]:
     """The protocol's error JSON for a request to ``path``."""
-    openai_type, anthropic_type = _TYPES.get(err.status, ("invalid_request_error", "invalid_request_error"))
+    openai_type, anthropic_type = ERROR_TYPES.get(err.status, ("invalid_request_error", "invalid_request_error"))
     if is_anthropic(path):
         return {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
     return {"error": {"message": err.message, "type": openai_type, "param": err.param, "code": err.code}}
@@ -80,7 +89,12 @@ class _AsciiJSONResponse(JSONResponse):
 
 
 def error_response(path: str, err: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return _AsciiJSONResponse(error_body(path, err), status_code=err.status, headers=headers)
+    """``err`` as a JSON response in the protocol's shape for ``path``, with ``headers`` and,
+    when ``err.retry`` is set, ``x-should-retry``."""
+    all_headers = dict(headers or {})
+    if err.retry is not None:
+        all_headers[SHOULD_RETRY_HEADER] = "true" if err.retry else "false"
+    return _AsciiJSONResponse(error_body(path, err), status_code=err.status, headers=all_headers)
 
 
 # ------------------------------------------------------------------ pydantic -> ApiError

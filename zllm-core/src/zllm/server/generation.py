@@ -3,27 +3,39 @@
 The engine is blocking (a step runs the model), so every call into it runs in a worker
 thread (``anyio.to_thread``); the event loop keeps serving other clients. The engine's lock
 serialises steps and one step advances every running sequence, so N streams driven from N
-threads form one continuous batch.
+threads form one continuous batch. The threads come from the server's own limiter, sized to
+``server.max_connections``, so a request never waits for a thread (it would wait outside the
+scheduler, where no deadline reaches it).
 
 Cancellation: when the client goes away, Starlette cancels the response task. anyio defers
 that cancellation until the worker thread's current ``next()`` (at most one engine step)
 returns; then :meth:`EngineStream.aclose` closes the engine's generator, which aborts the
-sequence and frees its KV blocks — within one round. A request that outlives
-``server.request_timeout_s`` is closed the same way and answered with a 408.
+sequence and frees its KV blocks — within one round.
+
+Deadlines: ``server.request_timeout_s`` counts from the request's arrival and is handed to
+the engine, whose scheduler drops the request within one step of it — from the queue,
+unprefilled, if it was still waiting for admission — and the client gets a 408. A server
+shutting down brings every deadline forward to the end of ``server.shutdown_timeout_s``
+(:meth:`ServerState.begin_shutdown`); what is left then gets a 503. Both carry
+``x-should-retry: false``: the SDKs would otherwise send the abandoned work again.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 
 from zllm.server.errors import ApiError
-from zllm.server.metrics import ServerMetrics
-from zllm.spec.errors import RequestError
+from zllm.spec.errors import DeadlineExceeded, RequestError
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from zllm.server.common import ServerState
 
 
 def request_error(exc: RequestError, renames: Mapping[str, str]) -> ApiError:
@@ -35,6 +47,12 @@ def request_error(exc: RequestError, renames: Mapping[str, str]) -> ApiError:
     return ApiError(400, message, param=field or None, code="invalid_value")
 
 
+def arrival_time(request: Request) -> float:
+    """When the request arrived (:func:`time.monotonic` seconds), stamped by the app's outer
+    middleware before the body was read; now if it is missing."""
+    return request.scope.get("state", {}).get("zllm_arrival", time.monotonic())
+
+
 class EngineStream:
     """One request's events (the Engine's ``delta`` events, then one ``final``).
 
@@ -42,38 +60,40 @@ class EngineStream:
     request errors surface before a response starts.
     """
 
-    def __init__(self, engine, metrics: ServerMetrics, t_received: float):
-        self._engine, self._metrics = engine, metrics
+    def __init__(self, st: ServerState, arrived: float):
+        self._st, self._engine, self._metrics = st, st.engine, st.metrics
         self._gen = None
         self._first: dict[str, Any] | None = None
-        self._t_received = t_received
-        timeout_s = engine.config.server.request_timeout_s
-        self._deadline = None if timeout_s is None else t_received + timeout_s
+        self._arrived = arrived
+        timeout_s = self._engine.config.server.request_timeout_s
+        self.deadline = None if timeout_s is None else arrived + timeout_s
         self._t_last_token: float | None = None
         self.final: dict[str, Any] | None = None
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
 
     @classmethod
-    async def open(cls, engine, metrics: ServerMetrics, request: dict[str, Any],
+    async def open(cls, st: ServerState, http_request: Request, request: dict[str, Any],
                    renames: Mapping[str, str]) -> EngineStream:
         """Submit ``request`` (the engine's Request JSON) and fetch its first event.
 
         Raises:
-            ApiError: 400 for a request the engine rejects (named in the protocol's terms).
+            ApiError: 400 for a request the engine rejects (named in the protocol's terms);
+                408 / 503 when its deadline or the shutdown's passed first.
         """
-        stream = cls(engine, metrics, time.perf_counter())
+        stream = cls(st, arrival_time(http_request))
+        engine = st.engine
 
         def start() -> None:
             parsed = engine.parse(request)
             # Tokenized again by the engine on submit: the stream does not expose its
             # sequence, and Anthropic's message_start must report the prompt's length.
             stream.prompt_tokens = len(engine.prompt_ids(parsed))
-            stream._gen = engine.generate_stream(parsed)
+            stream._gen = engine.generate_stream(parsed, deadline=stream.deadline)
             stream._first = next(stream._gen)
 
         try:
-            await anyio.to_thread.run_sync(start)
+            await stream._in_thread(start)
         except RequestError as exc:
             await stream.aclose()
             raise request_error(exc, renames) from exc
@@ -82,8 +102,26 @@ class EngineStream:
             raise
         return stream
 
+    async def _in_thread(self, fn, *args):
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._st.limiter)
+        except DeadlineExceeded as exc:
+            raise self._abandoned(exc) from exc
+
+    def _abandoned(self, exc: DeadlineExceeded) -> ApiError:
+        """The answer to a request the runtime dropped at its deadline: 503 when the
+        shutdown's deadline came first, else 408."""
+        shutdown = self._st.shutdown_deadline
+        if shutdown is not None and (self.deadline is None or shutdown <= self.deadline):
+            return ApiError(503, f"the server is shutting down and ended the request when "
+                            f"server.shutdown_timeout_s ran out ({exc})", code="server_shutting_down",
+                            retry=False)
+        timeout_s = self._engine.config.server.request_timeout_s
+        return ApiError(408, f"request timed out after {timeout_s:g} s (server.request_timeout_s): {exc}",
+                        code="timeout", retry=False)
+
     def _note(self, event: dict[str, Any]) -> None:
-        now = time.perf_counter()
+        now = time.monotonic()
         if event["type"] == "final":
             self.final = event
             self._metrics.prompt_tokens.inc(event["usage"]["prompt_tokens"])
@@ -91,7 +129,7 @@ class EngineStream:
             return
         if event["token_ids"]:
             if self._t_last_token is None:
-                self._metrics.ttft.observe(now - self._t_received)
+                self._metrics.ttft.observe(now - self._arrived)
             else:
                 self._metrics.itl.observe(now - self._t_last_token)
             self._t_last_token = now
@@ -99,7 +137,11 @@ class EngineStream:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Every event, the ``final`` one last. The stream is closed when this ends,
-        is cancelled or is abandoned."""
+        is cancelled or is abandoned.
+
+        Raises:
+            ApiError: 408 / 503 when the request's deadline or the shutdown's passed.
+        """
         try:
             event = self._first
             self._first = None
@@ -108,25 +150,16 @@ class EngineStream:
                 yield event
                 if event["type"] == "final":
                     return
-                self._check_deadline()
-                event = await anyio.to_thread.run_sync(next, self._gen, None)
+                event = await self._in_thread(next, self._gen, None)
         finally:
             await self.aclose()
-
-    def _check_deadline(self) -> None:
-        """Raise a 408 once ``server.request_timeout_s`` has passed (the caller's
-        ``finally`` then closes the stream, aborting the sequence)."""
-        if self._deadline is not None and time.perf_counter() > self._deadline:
-            timeout_s = self._engine.config.server.request_timeout_s
-            raise ApiError(408, f"request timed out after {timeout_s:g} s (server.request_timeout_s)",
-                           code="timeout")
 
     async def aclose(self) -> None:
         """Close the engine stream (abort the sequence unless it finished); idempotent."""
         gen, self._gen = self._gen, None
         if gen is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(gen.close)
+                await anyio.to_thread.run_sync(gen.close, limiter=self._st.limiter)
 
 
 async def run_to_end(stream: EngineStream, request) -> tuple[str, dict[str, Any]]:

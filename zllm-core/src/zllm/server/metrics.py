@@ -15,14 +15,19 @@ zllm_kv_blocks_used / _free            gauge      KV cache blocks in use (runnin
                                                   and the prefix cache) / free
 zllm_kv_blocks_running                 gauge      blocks held by running sequences (the rest
                                                   of the used blocks is the prefix cache)
+zllm_requests_expired_total{phase}     counter    requests the scheduler dropped at their
+                                                  deadline, ``phase`` ``waiting`` (never
+                                                  prefilled) or ``running`` (KV freed)
 =====================================  =========  ==========================================
 
-Gauges are read from the scheduler at scrape time.
+Gauges and the expiry counter are read from the scheduler at scrape time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -51,3 +56,18 @@ class ServerMetrics:
               registry=r).set_function(lambda: kv.num_blocks - kv.num_free_blocks)
         Gauge("zllm_kv_blocks_running", "KV cache blocks held by running sequences",
               registry=r).set_function(lambda: sum(len(s.kv.blocks) for s in list(scheduler.running)))
+        r.register(_ExpiredRequests(scheduler))
+
+
+class _ExpiredRequests(Collector):
+    """``zllm_requests_expired_total{phase}`` from the scheduler's own counters."""
+
+    def __init__(self, scheduler) -> None:
+        self._stats = scheduler.stats
+
+    def collect(self):
+        family = CounterMetricFamily("zllm_requests_expired", "Requests dropped at their deadline",
+                                     labels=["phase"])
+        family.add_metric(["waiting"], self._stats.expired_waiting)
+        family.add_metric(["running"], self._stats.expired_running)
+        yield family

@@ -125,7 +125,7 @@ def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = state(request)
     st.check_model(body.model)
-    stream = await EngineStream.open(st.engine, st.metrics, engine_request(body), RENAMES)
+    stream = await EngineStream.open(st, request, engine_request(body), RENAMES)
     cid, created = new_id("chatcmpl-"), int(time.time())
 
     if not body.stream:

@@ -79,7 +79,7 @@ def engine_request(body: CompletionRequest) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request):
     st = state(request)
     st.check_model(body.model)
-    stream = await EngineStream.open(st.engine, st.metrics, engine_request(body), RENAMES)
+    stream = await EngineStream.open(st, request, engine_request(body), RENAMES)
     cid, created = new_id("cmpl-"), int(time.time())
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage_key: bool = False):

@@ -19,10 +19,13 @@ from fastapi import APIRouter
 from starlette.requests import Request
 
 from zllm.server.common import SamplingFields, StrictModel, new_id, reject_if, sse, sse_response, state
-from zllm.server.errors import ApiError
+from zllm.server.errors import ERROR_TYPES, ApiError
 from zllm.server.generation import EngineStream, run_to_end
 
 router = APIRouter()
+
+# An error event's code when the error carries none (the error object's type, by status).
+_ERROR_TYPES = {status: openai_type for status, (openai_type, _) in ERROR_TYPES.items()}
 
 STORE_CAPACITY = 1024
 """Responses kept for ``previous_response_id`` and retrieval; the oldest go first."""
@@ -174,7 +177,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     history = store.get(body.previous_response_id, "previous_response_id")[1] \
         if body.previous_response_id is not None else []
     convo = conversation(body, history)
-    stream = await EngineStream.open(st.engine, st.metrics, engine_request(body, convo), RENAMES)
+    stream = await EngineStream.open(st, request, engine_request(body, convo), RENAMES)
     rid, mid, created = new_id("resp_"), new_id("msg_"), int(time.time())
 
     def message(text: str, status: str) -> dict[str, Any]:
@@ -205,12 +208,17 @@ async def create_response(body: ResponsesRequest, request: Request):
         text, final = await run_to_end(stream, request)
         return finished(text, final)
 
+    seq = iter(range(1 << 62))
+
+    def ev(kind: str, **fields: Any) -> str:
+        return sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
+
+    def error_event(err: ApiError) -> str:
+        # ResponseErrorEvent: numbered like every other event of the stream.
+        return ev("error", code=err.code or _ERROR_TYPES.get(err.status, "server_error"), message=err.message,
+                  param=err.param)
+
     async def events():
-        seq = iter(range(1 << 62))
-
-        def ev(kind: str, **fields: Any) -> str:
-            return sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
-
         where = {"item_id": mid, "output_index": 0, "content_index": 0}
         yield ev("response.created", response=response("in_progress", [], None))
         yield ev("response.in_progress", response=response("in_progress", [], None))
@@ -231,7 +239,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
             yield ev(kind, response=done)
 
-    return sse_response(events(), stream)
+    return sse_response(events(), stream, error_event=error_event)
 
 
 @router.get("/v1/responses/{response_id}")

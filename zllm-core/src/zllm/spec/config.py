@@ -20,7 +20,8 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       prefix_cache_seqs: 4
       batch_invariant: false
     generation: {prompt: "", max_new_tokens: 256, temperature: 0.0, ...}
-    server: {host: 127.0.0.1, port: 8000, served_model_name: null, request_timeout_s: null}
+    server: {host: 127.0.0.1, port: 8000, served_model_name: null, request_timeout_s: null,
+             shutdown_timeout_s: 5.0, header_timeout_s: 10.0, max_connections: 256}
 
 Files are read with ruamel.yaml, migrated to :data:`SCHEMA_VERSION` by
 :mod:`zllm.spec.migrations`, structured into frozen attrs classes by cattrs, and validated by
@@ -138,6 +139,7 @@ NON_EMPTY_STR = Check("a non-empty string", lambda v: isinstance(v, str) and v !
 STR = Check("a string", _is_text)
 OPTIONAL_BOOL = Check("true, false or null", lambda v: v is None or isinstance(v, bool))
 POSITIVE_NUMBER = Check("a number > 0", lambda v: _is_number(v) and v > 0)
+NON_NEGATIVE_NUMBER = Check("a number >= 0", lambda v: _is_number(v) and v >= 0)
 PORT = Check("an int in 1..65535", lambda v: _is_int(v) and 1 <= v <= 65535)
 
 TEMPERATURE = Check("a number >= 0 (0 = greedy)", lambda v: _is_number(v) and v >= 0)
@@ -358,14 +360,25 @@ class ServerConfig:
             it); ``None`` = the stem of ``model.path``.
         request_timeout_s: seconds a request may run, from arrival to its last token; when
             it runs out the sequence is aborted and its KV blocks freed within one round,
-            and the client gets a 408 (or a last ``error`` event once streaming).
-            ``None`` = no limit.
+            and the client gets a 408 (or a last ``error`` event once streaming); a request
+            still queued for admission leaves the queue unprefilled. ``None`` = no limit.
+        shutdown_timeout_s: seconds a graceful shutdown (SIGTERM, SIGINT) lets running
+            requests finish; then each remaining one ends with a 503 (or a last ``error``
+            event) and the process exits 0. 0 = end them at once.
+        header_timeout_s: seconds a connection may take to send a request's headers (from
+            its opening, or from the first byte of a request on a kept-alive connection);
+            slower connections are closed (slowloris).
+        max_connections: open connections (streaming or not, idle keep-alive ones too) at
+            once; a request arriving over it gets a 503.
     """
 
     host: str = _config_field(NON_EMPTY_STR, "127.0.0.1")
     port: int = _config_field(PORT, 8000)
     served_model_name: str | None = _config_field(NON_EMPTY_STR.or_null(), None)
     request_timeout_s: float | None = _config_field(POSITIVE_NUMBER.or_null(), None, converter=to_float)
+    shutdown_timeout_s: float = _config_field(NON_NEGATIVE_NUMBER, 5.0, converter=to_float)
+    header_timeout_s: float = _config_field(POSITIVE_NUMBER, 10.0, converter=to_float)
+    max_connections: int = _config_field(POSITIVE_INT, 256)
 
 
 @attrs.frozen(kw_only=True)

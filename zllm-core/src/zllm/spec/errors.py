@@ -42,6 +42,21 @@ class ContextLengthError(RequestError):
         )
 
 
+class DeadlineExceeded(ZllmError):
+    """A request's deadline passed before it finished; the runtime dropped it (unprefilled if
+    it was still ``queued``, its KV blocks freed if it was running).
+
+    Attributes:
+        queued: True when it was still waiting for admission.
+        output_tokens: tokens it had generated.
+    """
+
+    def __init__(self, queued: bool, output_tokens: int):
+        self.queued, self.output_tokens = queued, output_tokens
+        where = "while queued for admission" if queued else f"after generating {output_tokens} tokens"
+        super().__init__(f"the request's deadline passed {where}")
+
+
 class CheckpointError(ZllmError):
     """A weight, config or tokenizer file is missing, corrupt or inconsistent. ``file`` names it."""
 
