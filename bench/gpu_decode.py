@@ -96,7 +96,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
     choice = select_backend(host, args.backend, needed, info.name)
     backend = choice.cls(threads=None, device=args.device)
     check_device_capabilities(backend, needed, choice.info.name, info.name)
-    ops = BoundOps(host.kernels, choice.info.name, needed)
+    ops = BoundOps(host.kernels, choice.info.name, needed, ops=host.ops)
     weights = random_weights(specs, DTYPE_OF_FORMAT[args.dtype], backend.device, args.seed)
     model = family.build(spec, weights, ops)
     max_batch = max(args.batches)

@@ -9,10 +9,11 @@ you target in your plugin module::
 and implement hooks from :mod:`zllm.plugins.hookspecs` decorated with :data:`hookimpl`.
 """
 
-from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities import Capability
 from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
+from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import ROPE_TYPES, RopeParams, default_inv_freq, rope_cos_sin, rope_inv_freq, rope_params_from_config
 from zllm.kernels.registry import KernelRegistry
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl

@@ -259,8 +259,8 @@ def _check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Mode
     exact = all(f == "f32" for f in formats.values())
     try:
         weights = load_weights(ckpt, specs, dtype)
-        backend_ops = BoundOps(host.kernels, info.name, needed)
-        reference_ops = BoundOps(host.kernels, info.name, needed, force_reference={c.op for c in needed})
+        backend_ops = BoundOps(host.kernels, info.name, needed, ops=host.ops)
+        reference_ops = BoundOps(host.kernels, info.name, needed, force_reference={c.op for c in needed}, ops=host.ops)
     except ZllmError as exc:
         return E2EResult(source.name, path, "failed", detail=f"load failed: {exc}")
     prompt = _prompt(ckpt, spec.vocab_size, seed)

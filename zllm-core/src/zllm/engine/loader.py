@@ -113,7 +113,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     check_backend_instance(backend, choice.info.name)
     check_device_capabilities(backend, needed, choice.info.name, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
-                   batch_invariant=cfg.runtime.batch_invariant)
+                   batch_invariant=cfg.runtime.batch_invariant, ops=host.ops)
 
     model_ctx = spec.context_length
     ctx = cfg.runtime.context_length or model_ctx

@@ -16,8 +16,9 @@ import attrs
 import pluggy
 
 from zllm.capabilities.backend import BackendInfo
+from zllm.capabilities.ops import OpTable
 from zllm.domain.family import FamilyInfo
-from zllm.domain.references import register_references
+from zllm.domain.ops import CORE_OPS, register_references
 from zllm.kernels.registry import KernelRegistry
 from zllm.plugins import hookspecs
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION
@@ -89,15 +90,20 @@ class PluginHost:
         allowlist: entry-point names to load (the ``ZLLM_PLUGINS`` setting, read by the
             caller at the edge); ``None`` loads all.
         entry_points: override of the discovered entry points (tests pass their own).
+        ops: the op declarations this host knows (default: the core's); their references are
+            registered under ``reference``, and binding and conformance read them from
+            :attr:`ops`.
     """
 
-    def __init__(self, allowlist: Iterable[str] | None = None, entry_points: Iterable[metadata.EntryPoint] | None = None):
+    def __init__(self, allowlist: Iterable[str] | None = None, entry_points: Iterable[metadata.EntryPoint] | None = None,
+                 ops: OpTable = CORE_OPS):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.allowlist = None if allowlist is None else {a.strip() for a in allowlist if a.strip()}
         self.records: list[PluginRecord] = []
+        self.ops = ops
         self.kernels = KernelRegistry()
-        register_references(self.kernels)
+        register_references(self.kernels, ops)
         eps = list(entry_points) if entry_points is not None else list(metadata.entry_points(group=ENTRY_POINT_GROUP))
         for ep in sorted(eps, key=lambda e: e.name):
             self._load(ep)
