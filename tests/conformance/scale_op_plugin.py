@@ -9,7 +9,6 @@ the conformance kit all pick it up from this one declaration.
 from __future__ import annotations
 
 import torch
-
 from zllm.capabilities.ops import OpDeclaration
 from zllm.conformance.cases import Case
 from zllm.plugin_api import hookimpl

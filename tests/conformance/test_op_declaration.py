@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from zllm.capabilities import Capability
 from zllm.capabilities.ops import OpDeclaration, OpTable
 from zllm.conformance import run_conformance
@@ -18,6 +17,7 @@ from zllm.conformance.cases import cases_for
 from zllm.domain.ops import CORE_CAPABILITIES, CORE_OPS, collect_ops
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
+
 from tests.conformance.scale_op_plugin import SCALE, scale_reference
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from zllm.capabilities import Capability
 from zllm.domain.linear import linear
 from zllm.domain.ops import CORE_OPS, register_references

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from weights_helpers import (
+    open_checkpoint,
     F32, STORIES_GGUF_F16, STORIES_GGUF_F32, STORIES_GGUF_Q8_0, STORIES_HF, STR, U32,
     assert_backed_by, needs_proc, tiny_llama_kv, tiny_llama_tensors, write_gguf,
 )  # fmt: skip
@@ -19,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zllm.spec.errors import CheckpointError, TensorError, UnknownArchitectureError
-from zllm.weights import QuantizedTensor, open_checkpoint
+from zllm.weights import QuantizedTensor
 
 CONFIG_KEYS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

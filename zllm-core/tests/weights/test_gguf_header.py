@@ -22,11 +22,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weights_helpers import (
+    open_checkpoint,
     MODELS, STORIES_GGUF_F32, STORIES_GGUF_Q8_0, assert_backed_by, finish_gguf, tiny_llama_kv, tiny_llama_tensors, write_gguf,
 )  # fmt: skip
 
 from zllm.spec.errors import CheckpointError, TensorError
-from zllm.weights import open_checkpoint
 from zllm.weights.gguf_header import (
     GGUFFormatError, GGUFPartialBlockError, GGUFUnsupportedError, read_gguf_header,
 )  # fmt: skip

@@ -23,6 +23,7 @@ from zllm.kernels.registry import KernelRegistry
 from zllm.plugins import hookspecs
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION
 from zllm.spec.errors import PluginError
+from zllm.weights.gguf_maps import GGUFArchMap
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ class PluginHost:
             )
         self.backends: dict[str, BackendInfo] = {}
         self.families: dict[str, FamilyInfo] = {}
+        #: GGUF architecture -> map, from every family's ``gguf_architectures``.
+        self.gguf_maps: dict[str, GGUFArchMap] = {}
+        self._gguf_owner: dict[str, str] = {}
         self._collect()
         self.pm.hook.zllm_register_kernels(registry=self.kernels)
 
@@ -171,6 +175,19 @@ class PluginHost:
                     claimed[mt] = info.name
                 self.families[info.name] = info
                 by_name[impl.plugin_name].kinds.append(f"family:{info.name}")
+                self._collect_gguf_maps(info)
+
+    def _collect_gguf_maps(self, info: FamilyInfo) -> None:
+        for arch, arch_map in info.gguf_architectures.items():
+            if arch in self.gguf_maps:
+                raise PluginError(f"GGUF architecture {arch!r} is mapped by families {self._gguf_owner[arch]!r} "
+                                  f"and {info.name!r}")
+            if arch_map.model_type not in info.model_types:
+                raise PluginError(f"family {info.name!r} maps GGUF architecture {arch!r} to model_type "
+                                  f"{arch_map.model_type!r}, which it does not handle (its model types: "
+                                  f"{', '.join(info.model_types)})")
+            self.gguf_maps[arch] = arch_map
+            self._gguf_owner[arch] = info.name
 
     def _owner(self, name: str, kind: str) -> str:
         return next((r.name for r in self.records if f"{kind}:{name}" in r.kinds), "?")
