@@ -59,7 +59,10 @@ def zllm_model_families() -> "list[FamilyInfo]":
     Parameters: none.
     Returns: a list of :class:`~zllm.domain.family.FamilyInfo` (may be empty).
     Semantics: all results are collected; two families claiming the same HF ``model_type``
-    is an error naming both.
+    is an error naming both. Each family's ``gguf_architectures`` (plugin API 1.1) are
+    collected into ``PluginHost.gguf_maps``, through which every GGUF file is read; two
+    families mapping one architecture, or a map to a ``model_type`` its family does not
+    handle, is an error naming them.
     """
 
 
