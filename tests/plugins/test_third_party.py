@@ -96,7 +96,7 @@ def test_example_backend_is_discovered_and_api2_copy_is_skipped_with_warning(ven
     assert rows["cpu"]["status"] == rows["llama"]["status"] == "loaded"
 
     assert rows["example2"]["status"] == "skipped"
-    assert "warning: zllm plugin 'example2' (zllm-backend-example2 0.1.0) skipped: targets plugin API 2.0 but this zllm-core speaks 1.0" in proc.stderr
+    assert "warning: zllm plugin 'example2' (zllm-backend-example2 0.1.0) skipped: targets plugin API 2.0 but this zllm-core speaks 1.1" in proc.stderr
 
 
 def test_example_backend_is_capability_checked_and_selectable(venv):
