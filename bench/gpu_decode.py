@@ -96,7 +96,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
     choice = select_backend(host, args.backend, needed, info.name)
     backend = choice.cls(threads=None, device=args.device)
     check_device_capabilities(backend, needed, choice.info.name, info.name)
-    ops = BoundOps(host.kernels, choice.info.name, needed)
+    ops = BoundOps(host.kernels, choice.info.name, needed, ops=host.ops)
     weights = random_weights(specs, DTYPE_OF_FORMAT[args.dtype], backend.device, args.seed)
     model = family.build(spec, weights, ops)
     max_batch = max(args.batches)
@@ -107,7 +107,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
                                            max_num_seqs=max_batch, max_prefill_tokens=max(args.prompt_tokens, 16),
                                            prefix_cache_seqs=0))
     loaded = LoadedModel(cfg, None, info, spec, choice, backend, ops, model, word_tokenizer(spec.vocab_size),
-                         frozenset(), context, time.perf_counter() - t0)
+                         frozenset(), context, time.perf_counter() - t0, blocks)
     embed = "model.embed_tokens.weight"
     built = {
         "parameters": sum(w.numel() for w in weights.values()),
@@ -169,9 +169,8 @@ def measure_decode(engine: Engine, batch: int, args: argparse.Namespace) -> dict
 
 def kv_bytes_per_step(engine: Engine, batch: int, context: int, steps: int) -> int:
     """KV-cache bytes a decode round reads: every cached key and value of every sequence (mid-run context)."""
-    shape = engine.loaded.model.kv_shape
-    cache_dtype = engine.llm.runner.kv.layers[0][0].dtype
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * cache_dtype.itemsize
+    kv = engine.llm.runner.kv
+    per_token = kv.spec.token_bytes(kv.layers[0][0].dtype.itemsize)
     return batch * (context + steps // 2) * per_token
 
 

@@ -107,7 +107,7 @@ def test_auto_selection_skips_the_gpu_backends_with_their_reasons(host):
 @pytest.mark.parametrize("name", sorted(REASONS))
 @pytest.mark.parametrize("op", ["linear", "attention", "sample"])
 def test_force_reference_binds_the_f32_reference_on_every_gpu_backend(host, name, op):
-    ops = BoundOps(host.kernels, name, LLAMA_F32_NEEDS, force_reference=[op])
+    ops = BoundOps(host.kernels, name, LLAMA_F32_NEEDS, force_reference=[op], ops=host.ops)
     for cap, choice in ops.choices.items():
         if cap.op == op:
             assert choice.entry.backend == "reference" and choice.entry.registered_by == "zllm-core"

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 import zllm
 from tests.conftest import MODEL_DIR, copy_tokenizer, write_config
 from tests.gguf_files import requantize
+from zllm.plugins.host import PluginHost
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import QuantizedTensor
 
@@ -32,7 +33,7 @@ GREEDY = {"prompt": "", "max_tokens": 64, "stop_token_ids": []}
 
 
 def _dequantized_checkpoint(gguf_path, out_dir):
-    ckpt = open_checkpoint(gguf_path)
+    ckpt = open_checkpoint(gguf_path, gguf_maps=PluginHost(allowlist=["llama"]).gguf_maps)
     tensors = {}
     for name in ckpt.tensor_names():
         t = ckpt.tensor(name)

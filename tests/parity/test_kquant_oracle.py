@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 import zllm
 from tests.conftest import MODEL_DIR, copy_tokenizer, write_config
+from zllm.plugins.host import PluginHost
 from zllm.spec.errors import TensorError
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
@@ -117,7 +118,7 @@ def write_random_llama(path, fmt: str, seed: int):
 
 
 def _dequantized_checkpoint(gguf_path, out_dir):
-    ckpt = open_checkpoint(gguf_path)
+    ckpt = open_checkpoint(gguf_path, gguf_maps=PluginHost(allowlist=["llama"]).gguf_maps)
     tensors = {}
     for name in ckpt.tensor_names():
         t = ckpt.tensor(name)  # Q/K rows already in HF order: the same loader as the quantized run
@@ -176,6 +177,6 @@ def test_row_that_is_not_whole_super_blocks_is_refused_naming_tensor_and_type(tm
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(TensorError) as err:
-        open_checkpoint(tmp_path / "bad.gguf")
+        open_checkpoint(tmp_path / "bad.gguf", gguf_maps=PluginHost(allowlist=["llama"]).gguf_maps)
     assert err.value.tensor == "blk.0.attn_q.weight"
     assert "Q4_K" in str(err.value) and "128" in str(err.value) and "256" in str(err.value)

@@ -8,7 +8,8 @@ from importlib import metadata
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities import Capability
+from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.plugins.host import PluginHost
 from zllm.weights.formats import ALL_FORMATS
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 
-from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities import Capability
+from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.kernels.registry import KernelRegistry
 from zllm_backend_cpu.kernels import CAPABILITIES, KERNELS, NATIVE_INVARIANT_KERNELS, NATIVE_KERNELS
 

@@ -6,7 +6,8 @@ import importlib
 
 import pytest
 
-from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities import Capability
+from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.kernels.registry import KernelRegistry
 from zllm_kernels_torch.table import (
     BF16_WEIGHT_CAPABILITIES,

@@ -4,15 +4,17 @@ Backends and model families import this module only (an import-linter contract e
 it), so the core can reorganise its internals without breaking plugins. Declare the API
 you target in your plugin module::
 
-    ZLLM_PLUGIN_API = "1.0"
+    ZLLM_PLUGIN_API = "1.1"
 
 and implement hooks from :mod:`zllm.plugins.hookspecs` decorated with :data:`hookimpl`.
 """
 
-from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities import Capability
 from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
+from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
+from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import (
     ROPE_TYPES,
     RopeParams,
@@ -26,6 +28,7 @@ from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from zllm.spec.errors import CheckpointError
 from zllm.spec.tensor_spec import TensorSpec
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor, format_of
+from zllm.weights.gguf_maps import REQUIRED, ROPE_ADJACENT_PAIR, ROPE_HALF_ROTATION, ConfigKey, GGUFArchMap
 
 __all__ = [
     "AttentionMetadata",
@@ -35,12 +38,20 @@ __all__ = [
     "CORE_CAPABILITIES",
     "Capability",
     "CheckpointError",
+    "ConfigKey",
     "DTYPE_OF_FORMAT",
     "FamilyInfo",
+    "GGUFArchMap",
     "KVCacheShape",
+    "KVCacheSpec",
+    "KVLayerSpec",
+    "KVTensor",
     "KernelRegistry",
     "PLUGIN_API_VERSION",
     "QuantizedTensor",
+    "REQUIRED",
+    "ROPE_ADJACENT_PAIR",
+    "ROPE_HALF_ROTATION",
     "ROPE_TYPES",
     "RopeParams",
     "SamplingRow",

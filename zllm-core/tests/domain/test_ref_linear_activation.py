@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zllm.capabilities import CORE_CAPABILITIES, Capability
+from zllm.capabilities import Capability
 from zllm.domain.activation import silu_mul
 from zllm.domain.linear import embedding, linear
+from zllm.domain.ops import CORE_CAPABILITIES, register_references
 from zllm.domain.quant import dequantize
-from zllm.domain.references import register_references
 from zllm.kernels.registry import REFERENCE_BACKEND, KernelRegistry
 from zllm.weights.formats import QuantizedTensor
 

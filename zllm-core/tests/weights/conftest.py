@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from weights_helpers import TINY_RANDOM_GGUF
+from weights_helpers import TINY_RANDOM_GGUF, open_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,4 @@ def sharded_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 @pytest.fixture(scope="session")
 def tiny_random():
     """The opened llama-2-tiny-random GGUF (GGUFReader takes ~2 s over its 32,000-token vocab)."""
-    from zllm.weights import open_checkpoint
-
     return open_checkpoint(TINY_RANDOM_GGUF)

@@ -7,10 +7,9 @@ import shutil
 
 import pytest
 import torch
-from weights_helpers import STORIES_HF, assert_backed_by, copy_hf, needs_proc
+from weights_helpers import STORIES_HF, assert_backed_by, copy_hf, needs_proc, open_checkpoint
 
 from zllm.spec.errors import CheckpointError, TensorError
-from zllm.weights import open_checkpoint
 
 
 def test_stories_hf_config_and_tensors():

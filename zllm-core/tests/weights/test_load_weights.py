@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 from ruamel.yaml import YAML
-from weights_helpers import STORIES_GGUF_F32, STORIES_GGUF_Q8_0, STORIES_HF, TINY_RANDOM_GGUF, copy_hf
+from weights_helpers import STORIES_GGUF_F32, STORIES_GGUF_Q8_0, STORIES_HF, TINY_RANDOM_GGUF, copy_hf, open_checkpoint
 
 from zllm.spec.errors import TensorError
 from zllm.spec.tensor_spec import TensorSpec
-from zllm.weights import QuantizedTensor, build_model_card, load_weights, open_checkpoint, parameter_count
+from zllm.weights import QuantizedTensor, build_model_card, load_weights, parameter_count
 
 
 def specs_of(ckpt, formats=None) -> dict[str, TensorSpec]:

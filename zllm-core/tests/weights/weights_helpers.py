@@ -1,5 +1,6 @@
 """Helpers for the weights-layer tests: paths of the shipped model files, writers of tiny
-checkpoints, and a check that a tensor lives in a file mapping.
+checkpoints, a check that a tensor lives in a file mapping, and ``open_checkpoint`` with the
+GGUF architecture maps of the installed model families (what the engine passes it).
 
 Real files come from ``assets/models`` (see its README for provenance and licenses);
 generated checkpoints are written by HF transformers (``save_pretrained``, see conftest.py)
@@ -16,6 +17,18 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+
+import zllm.weights
+from zllm.plugins.host import PluginHost
+from zllm.weights import Checkpoint
+
+#: GGUF architecture -> map, as the installed llama-style families publish them.
+GGUF_MAPS = PluginHost(allowlist=["llama"]).gguf_maps
+
+
+def open_checkpoint(path: str | Path, fmt: str = "auto") -> Checkpoint:
+    """:func:`zllm.weights.open_checkpoint` reading GGUF files through :data:`GGUF_MAPS`."""
+    return zllm.weights.open_checkpoint(path, fmt, gguf_maps=GGUF_MAPS)
 
 MODELS = Path(__file__).resolve().parents[3] / "assets" / "models"
 STORIES = MODELS / "stories260k"

@@ -76,6 +76,12 @@ class TorchCudaBackend(TorchDeviceBackend):
     def device_count(cls) -> int:
         return torch.cuda.device_count()
 
+    def available_memory_bytes(self) -> int:
+        """Free bytes on this GPU as the driver reports them (``cudaMemGetInfo`` /
+        ``hipMemGetInfo``); the core sizes an automatic KV cache from it."""
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
 
 def triton_import_error() -> str | None:
     """Why ``import triton`` fails here, or ``None`` when it works."""

@@ -4,15 +4,15 @@ A capability is ``op[variant]`` — e.g. ``linear[q8_0]``, ``rms_norm[f32]``,
 ``attention[paged]``. For ops that read a weight the variant is the weight format; for the
 others it names the math variant. A backend declares a static set (read without touching a
 device); a model family states, for a concrete model config and its weight formats, the set
-it needs; :func:`missing_capabilities` is the difference. A capability added here is absent
-from every backend until that backend declares it (and registers a kernel for it).
+it needs; :func:`missing_capabilities` is the difference. The capabilities the core knows
+are derived from its op declarations (:data:`zllm.domain.ops.CORE_CAPABILITIES`); a
+capability added there is absent from every backend until that backend declares it (and
+registers a kernel for it).
 """
 
 from __future__ import annotations
 
 import attrs
-
-from zllm.weights.formats import ALL_FORMATS
 
 
 @attrs.frozen(order=True)
@@ -32,24 +32,6 @@ class Capability:
         if not sep or not rest.endswith("]") or not op:
             raise ValueError(f"capability must look like 'op[variant]', got {text!r}")
         return cls(op, rest[:-1])
-
-
-def _caps(op: str, variants: tuple[str, ...]) -> frozenset[Capability]:
-    return frozenset(Capability(op, v) for v in variants)
-
-
-#: Every capability the core knows. Kernel op names equal capability op names.
-CORE_CAPABILITIES: frozenset[Capability] = (
-    _caps("embedding", ALL_FORMATS)
-    | _caps("linear", ALL_FORMATS)
-    | _caps("rms_norm", ("f32",))
-    | _caps("add_rms_norm", ("f32",))
-    | _caps("rope", ("neox", "gptj"))
-    | _caps("attention", ("paged",))
-    | _caps("attention_sliding", ("paged",))
-    | _caps("silu_mul", ("f32",))
-    | _caps("sample", ("f32",))
-)
 
 
 def missing_capabilities(needed: frozenset[Capability] | set[Capability], provided: frozenset[Capability]) -> list[str]:

@@ -31,6 +31,12 @@ class Backend(Protocol):
     :class:`~zllm.spec.errors.CapabilityError` (capability, backend, family and the reason)
     when the model needs one of them. A backend without the method runs everything it
     declares (the CPU backend).
+
+    Optional (plugin API 1.1): ``available_memory_bytes(self) -> int``, the bytes its device
+    can still allocate (a GPU backend asks its driver). The loader calls it before reading
+    any weight when ``runtime.kv_cache.num_blocks`` is null and sizes the KV cache from it
+    (:func:`zllm.engine.loader.auto_num_blocks`); a backend without it is sized from the
+    host's available RAM, right for a CPU and for unified memory.
     """
 
     name: str

@@ -82,8 +82,9 @@ def cmd_card(args: argparse.Namespace) -> int:
     from zllm.engine.loader import resolve_family
     from zllm.weights import build_model_card, open_checkpoint
 
-    ckpt = open_checkpoint(args.path)
-    family = resolve_family(_host(), ckpt).name
+    host = _host()
+    ckpt = open_checkpoint(args.path, gguf_maps=host.gguf_maps)
+    family = resolve_family(host, ckpt).name
     sys.stdout.write(build_model_card(ckpt, family).to_yaml())
     return 0
 

@@ -111,7 +111,7 @@ def run_conformance(
         settings["backend"] = f"{backend} (chose {name}: {choice.reason})"
     report = ConformanceReport(name, str(instance.device), settings, _environment(host, name))
     report.kernels = check_kernels(host.kernels, info, instance, seed=seed, quick=quick, ops=op_filter,
-                                   on_result=on_kernel)
+                                   on_result=on_kernel, declarations=host.ops)
     if op_filter is not None:
         settings["e2e"] = "not run: --ops limits the run to kernel checks"
         return report

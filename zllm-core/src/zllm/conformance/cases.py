@@ -1,4 +1,4 @@
-"""Generated input cases, one generator per capability op, for checking kernels against the f32 references.
+"""Generated input cases, one generator per declared op, for checking kernels against the f32 references.
 
 Dimension legend as in :mod:`zllm.capabilities.ops`: ``T`` tokens, ``S`` sequences, ``H``
 query heads, ``Hkv`` KV heads, ``D`` head dim, ``K`` in-features, ``N`` out-features, ``V``
@@ -17,6 +17,7 @@ bounded f16 super-block scales) and sampling rows with every setting.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 
@@ -25,8 +26,9 @@ import gguf
 import numpy as np
 import torch
 
-from zllm.capabilities.ops import AttentionMetadata
+from zllm.capabilities.ops import AttentionMetadata, OpTable
 from zllm.domain.attention import first_window_block
+from zllm.domain.ops import CORE_OPS
 from zllm.domain.rope import default_inv_freq, rope_cos_sin
 from zllm.weights.formats import BLOCK_LAYOUTS, DENSE_FORMATS, DTYPE_OF_FORMAT, QuantizedTensor
 
@@ -74,6 +76,7 @@ class Case:
         atol, rtol: an element passes when ``|out - ref| <= atol + rtol * |ref|``.
         distribution: a ``sample`` case whose rows are all one distribution (same logits,
             same settings, one seed each), judged by the frequency of each drawn token.
+        arg_names: the op's declared argument names (set by :func:`cases_for`), for messages.
     """
 
     op: str
@@ -85,6 +88,7 @@ class Case:
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
     distribution: bool = False
+    arg_names: tuple[str, ...] = ()
 
 
 class NoCases(Exception):
@@ -471,31 +475,28 @@ def _only(variant: str, op: str, variants: tuple[str, ...]) -> None:
 
 
 CaseGenerator = Callable[[str, torch.Generator, bool], list[Case]]
-
-#: op -> ``generator(variant, torch.Generator, quick) -> cases``; raises :class:`NoCases`
-#: for a variant it cannot build inputs for.
-CASE_GENERATORS: dict[str, CaseGenerator] = {
-    "embedding": embedding_cases,
-    "linear": linear_cases,
-    "rms_norm": rms_norm_cases,
-    "add_rms_norm": add_rms_norm_cases,
-    "rope": rope_cases,
-    "attention": attention_cases,
-    "attention_sliding": attention_sliding_cases,
-    "silu_mul": silu_mul_cases,
-    "sample": sample_cases,
-}
+"""``generator(variant, torch.Generator, quick) -> cases``; raises :class:`NoCases` for a
+variant it cannot build inputs for. An op's declaration names its generator
+(:attr:`~zllm.capabilities.ops.OpDeclaration.cases`)."""
 
 
-def cases_for(op: str, variant: str, seed: int, quick: bool = False) -> list[Case]:
-    """The cases for ``op[variant]``, generated from ``seed`` (the same seed gives the same cases).
+def cases_for(op: str, variant: str, seed: int, quick: bool = False, ops: OpTable = CORE_OPS) -> list[Case]:
+    """The cases for ``op[variant]``, generated from ``seed`` (the same seed gives the same
+    cases) by the generator ``op``'s declaration in ``ops`` names; each case carries the
+    declared argument names.
 
     Raises:
-        NoCases: the kit has no generator for ``op`` or for this variant of it.
+        NoCases: ``op`` is not declared in ``ops``, its generator cannot be imported, or it
+            has no cases for this variant.
     """
+    if op not in ops:
+        raise NoCases(f"no case generator for op {op!r}: it is not declared (declared ops: {', '.join(ops.names)})")
+    decl = ops[op]
+    module, _, attr = decl.cases.partition(":")
     try:
-        gen = CASE_GENERATORS[op]
-    except KeyError:
-        raise NoCases(f"no case generator for op {op!r} (the kit knows {', '.join(sorted(CASE_GENERATORS))})") from None
+        gen: CaseGenerator = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise NoCases(f"the case generator {decl.cases!r} of op {op!r} cannot be imported: "
+                      f"{type(exc).__name__}: {exc}") from None
     g = torch.Generator().manual_seed(seed)
-    return gen(variant, g, quick)
+    return [attrs.evolve(case, arg_names=decl.args) for case in gen(variant, g, quick)]

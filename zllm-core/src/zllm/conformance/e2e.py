@@ -37,6 +37,7 @@ from zllm.capabilities.backend import BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.conformance.kernels import compare, device_unsupported, place_weight, where_raised
 from zllm.conformance.report import E2EResult
+from zllm.domain.family import model_kv_spec
 from zllm.engine.loader import resolve_family
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
@@ -164,7 +165,7 @@ class _Side:
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev),
                                  self.kv.block_table([self.seq], dev), (len(ids),), (self.seq.num_tokens,),
-                                 self.model.kv_shape.head_dim ** -0.5)
+                                 self.kv.spec.attention_scale)
         rows = list(range(len(ids))) if all_rows else [len(ids) - 1]
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -182,10 +183,8 @@ class _Side:
 
 def _side(family, spec, weights: dict, ops: BoundOps, device: torch.device, n_tokens: int) -> _Side:
     model = family.build(spec, weights, ops)
-    shape = model.kv_shape
-    kv = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, -(-n_tokens // BLOCK_SIZE) + 1,
-                      BLOCK_SIZE, device=device)
-    kv.sliding_window = shape.sliding_window  # as the model runner sets it: freed blocks become -1
+    # The cache follows the model's declaration, as the engine's: an all-sliding model frees old blocks (-1).
+    kv = PagedKVCache(model_kv_spec(model), -(-n_tokens // BLOCK_SIZE) + 1, BLOCK_SIZE, device=device)
     return _Side(model, ops, kv, device)
 
 
@@ -228,7 +227,7 @@ def _check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Mode
         return E2EResult(source.name, None, "skipped", detail=source.missing_reason)
     path = source.shown or str(source.path)
     try:
-        ckpt = open_checkpoint(source.path)
+        ckpt = open_checkpoint(source.path, gguf_maps=host.gguf_maps)
     except ZllmError as exc:
         return E2EResult(source.name, path, "failed", detail=f"checkpoint rejected: {exc}")
     try:
@@ -259,8 +258,8 @@ def _check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Mode
     exact = all(f == "f32" for f in formats.values())
     try:
         weights = load_weights(ckpt, specs, dtype)
-        backend_ops = BoundOps(host.kernels, info.name, needed)
-        reference_ops = BoundOps(host.kernels, info.name, needed, force_reference={c.op for c in needed})
+        backend_ops = BoundOps(host.kernels, info.name, needed, ops=host.ops)
+        reference_ops = BoundOps(host.kernels, info.name, needed, force_reference={c.op for c in needed}, ops=host.ops)
     except ZllmError as exc:
         return E2EResult(source.name, path, "failed", detail=f"load failed: {exc}")
     prompt = _prompt(ckpt, spec.vocab_size, seed)

@@ -21,9 +21,10 @@ import torch
 
 from zllm.capabilities import Capability
 from zllm.capabilities.backend import BackendInfo
-from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+from zllm.capabilities.ops import AttentionMetadata, OpTable, SamplingRow
 from zllm.conformance.cases import DISTRIBUTION_TOLERANCE, Case, NoCases, SampleRowSpec, cases_for
 from zllm.conformance.report import CaseResult
+from zllm.domain.ops import CORE_OPS
 from zllm.kernels.registry import KernelEntry, KernelRegistry
 from zllm.weights.formats import QuantizedTensor
 
@@ -102,20 +103,6 @@ def reference_args(case: Case, seed_offset: int = 0) -> list:
 
 # ---------------------------------------------------------------------------- comparing
 
-#: Argument names of each op, as in :mod:`zllm.capabilities.ops`, for messages.
-ARG_NAMES = {
-    "embedding": ("weight", "ids"),
-    "linear": ("x", "weight", "bias"),
-    "rms_norm": ("x", "weight", "eps"),
-    "add_rms_norm": ("x", "residual", "weight", "eps"),
-    "rope": ("x", "cos", "sin"),
-    "attention": ("q", "k", "v", "k_cache", "v_cache", "meta"),
-    "attention_sliding": ("q", "k", "v", "k_cache", "v_cache", "meta", "window"),
-    "silu_mul": ("gate", "up"),
-    "sample": ("logits", "params"),
-}
-
-
 def _same_values(original: torch.Tensor, given: torch.Tensor) -> bool:
     """``given`` (any device) holds exactly ``original``'s values (NaN equals NaN)."""
     given = given.detach().cpu()
@@ -132,7 +119,7 @@ def changed_inputs(case: Case, given: list) -> list[str]:
     call) no longer equals, leaving out those the op writes (``case.written``). A kernel may
     write only what its op's signature says it writes: the runtime reuses activations (the
     residual stream), weights and metadata after the call."""
-    names = ARG_NAMES.get(case.op, ())
+    names = case.arg_names
     changed = []
     for i, (original, arg) in enumerate(zip(case.args, given, strict=True)):
         if i in case.written:
@@ -344,7 +331,8 @@ def backend_entries(registry: KernelRegistry, backend: str) -> list[KernelEntry]
 
 def check_kernels(registry: KernelRegistry, info: BackendInfo, backend: Any, *, seed: int, quick: bool,
                   ops: set[str] | None = None,
-                  on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+                  on_result: Callable[[CaseResult], None] | None = None,
+                  declarations: OpTable = CORE_OPS) -> list[CaseResult]:
     """Run every kernel ``info.name`` registers (only ``ops`` when given) on its cases.
 
     Also fails each declared capability that has no registered kernel, and each registered
@@ -360,6 +348,7 @@ def check_kernels(registry: KernelRegistry, info: BackendInfo, backend: Any, *, 
         quick: fewer cases per op.
         ops: op names to check; None = all.
         on_result: called with each result as it is made (progress output).
+        declarations: the op declarations naming each op's case generator (the host's ``ops``).
 
     Returns:
         One :class:`CaseResult` per (kernel, op[variant], case).
@@ -385,7 +374,7 @@ def check_kernels(registry: KernelRegistry, info: BackendInfo, backend: Any, *, 
                                batch_invariant=entry.batch_invariant,
                                detail=f"the backend says this device cannot run {cap}: {unsupported[cap]}"))
                 continue
-            for r in _check_entry_variant(registry, entry, variant, backend, seed, quick):
+            for r in _check_entry_variant(registry, entry, variant, backend, seed, quick, declarations):
                 add(r)
     return results
 
@@ -403,7 +392,7 @@ def device_unsupported(backend: Any) -> dict[str, str]:
 
 
 def _check_entry_variant(registry: KernelRegistry, entry: KernelEntry, variant: str, backend: Any,
-                         seed: int, quick: bool) -> list[CaseResult]:
+                         seed: int, quick: bool, declarations: OpTable) -> list[CaseResult]:
     cap = f"{entry.op}[{variant}]"
 
     def result(case: str, passed: bool, max_abs=None, max_rel=None, detail="", atol=None, rtol=None) -> CaseResult:
@@ -411,7 +400,7 @@ def _check_entry_variant(registry: KernelRegistry, entry: KernelEntry, variant: 
                           priority=entry.priority, batch_invariant=entry.batch_invariant)
 
     try:
-        cases = cases_for(entry.op, variant, seed, quick)
+        cases = cases_for(entry.op, variant, seed, quick, declarations)
     except NoCases as exc:
         return [result("no cases", False, detail=str(exc))]
     try:

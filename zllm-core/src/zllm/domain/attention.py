@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from zllm.capabilities.ops import AttentionMetadata
+from zllm.capabilities.ops import AttentionMetadata, OpDeclaration
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -147,3 +147,22 @@ def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window:
         out[start : start + n_q] = causal_softmax_attention(q[start : start + n_q], ctx_k, ctx_v, meta.scale, window, first * bs)
         start += n_q
     return out
+
+
+OPS = (
+    OpDeclaration(
+        name="attention", variants=("paged",), args=("q", "k", "v", "k_cache", "v_cache", "meta"),
+        signature="(q f32 [T, H, D], k f32 [T, Hkv, D], v f32 [T, Hkv, D], k_cache [NB, BS, Hkv, D], "
+                  "v_cache [NB, BS, Hkv, D], meta AttentionMetadata) -> f32 [T, H, D]; writes k, v at "
+                  "meta.slot_mapping first; causal, bottom-right aligned; softmax scale meta.scale",
+        reference="zllm.domain.attention:attention", cases="zllm.conformance.cases:attention_cases",
+    ),
+    OpDeclaration(
+        name="attention_sliding", variants=("paged",), args=("q", "k", "v", "k_cache", "v_cache", "meta", "window"),
+        signature="(q, k, v, k_cache, v_cache, meta, window int) -> f32 [T, H, D]: as attention, but a query "
+                  "at position p sees only keys p - window + 1 .. p; reads no block before the one holding key "
+                  "L - Q - window + 1 (-1 in meta.block_tables: the KV cache freed it)",
+        reference="zllm.domain.attention:sliding_window_attention",
+        cases="zllm.conformance.cases:attention_sliding_cases",
+    ),
+)

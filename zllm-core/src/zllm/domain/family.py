@@ -9,6 +9,7 @@ file format.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, Protocol
 
 import attrs
@@ -16,7 +17,10 @@ import torch
 
 from zllm.capabilities import Capability
 from zllm.capabilities.ops import AttentionMetadata
+from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec
+from zllm.spec.errors import PluginError
 from zllm.spec.tensor_spec import TensorSpec
+from zllm.weights.gguf_maps import GGUFArchMap
 
 
 @attrs.frozen
@@ -29,12 +33,17 @@ class FamilyInfo:
             these by the weights layer).
         factory: lazy ``"module:Class"`` reference to a :class:`ModelFamily` class.
         description: one line for ``zllm plugins``.
+        gguf_architectures: GGUF ``general.architecture`` -> the
+            :class:`~zllm.weights.gguf_maps.GGUFArchMap` that presents such a file in HF
+            terms; each map's ``model_type`` must be one of ``model_types``. The plugin host
+            collects them for every GGUF file it opens (plugin API 1.1).
     """
 
     name: str
     model_types: tuple[str, ...]
     factory: str
     description: str = ""
+    gguf_architectures: dict[str, GGUFArchMap] = attrs.field(factory=dict)
 
     def load(self) -> ModelFamily:
         """Import and instantiate the family class."""
@@ -44,11 +53,13 @@ class FamilyInfo:
 
 @attrs.frozen
 class KVCacheShape:
-    """Per-layer KV cache geometry a model needs: ``num_layers`` x ``[NB, BS, num_kv_heads, head_dim]``.
+    """Deprecated (plugin API 1.0): a model of ``num_layers`` GQA layers, K and V
+    ``[NB, BS, num_kv_heads, head_dim]`` each, scale ``head_dim ** -0.5``. Publish
+    :class:`~zllm.domain.kv_cache.KVCacheSpec` as ``Model.kv_spec`` instead; a model that
+    still publishes ``kv_shape`` runs through :meth:`to_spec` (see :func:`model_kv_spec`).
 
     ``sliding_window``: set when *every* layer attends only to the last ``sliding_window``
-    tokens (e.g. mistral), so the KV cache may free blocks that fell out of the window;
-    None when some layer sees the whole context (then every block is kept).
+    tokens (e.g. mistral); None when some layer sees the whole context.
     """
 
     num_layers: int
@@ -56,20 +67,44 @@ class KVCacheShape:
     head_dim: int
     sliding_window: int | None = None
 
+    def to_spec(self) -> KVCacheSpec:
+        """The same cache as a :class:`KVCacheSpec`."""
+        layer = KVLayerSpec.gqa(self.num_kv_heads, self.head_dim, self.sliding_window)
+        return KVCacheSpec((layer,) * self.num_layers, self.head_dim ** -0.5)
+
+
+def model_kv_spec(model: Any) -> KVCacheSpec:
+    """The KV cache a built model declares: its ``kv_spec``, or (plugin API 1.0) its
+    ``kv_shape`` converted, with a :class:`DeprecationWarning`.
+
+    Raises:
+        PluginError: the model declares neither (names its class).
+    """
+    spec = getattr(model, "kv_spec", None)
+    if isinstance(spec, KVCacheSpec):
+        return spec
+    shape = getattr(model, "kv_shape", None)
+    if isinstance(shape, KVCacheShape):
+        warnings.warn(f"{type(model).__module__}:{type(model).__qualname__} publishes kv_shape (KVCacheShape), "
+                      "deprecated since plugin API 1.1; publish kv_spec (KVCacheSpec)", DeprecationWarning, stacklevel=2)
+        return shape.to_spec()
+    raise PluginError(f"model {type(model).__module__}:{type(model).__qualname__} declares no KV cache: it needs a "
+                      f"kv_spec attribute (KVCacheSpec)")
+
 
 class Model(Protocol):
     """A built model. ``forward`` runs one batch of a Prefill or a Decode Round."""
 
     vocab_size: int
     context_length: int
-    kv_shape: KVCacheShape
+    kv_spec: KVCacheSpec
 
     def forward(
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits of selected tokens.
@@ -78,7 +113,8 @@ class Model(Protocol):
             token_ids: int64 ``[T]``, all sequences' new tokens flattened.
             positions: int64 ``[T]``, absolute position of each token in its sequence.
             meta: where the tokens live in the paged KV cache.
-            kv_caches: per layer ``(k_cache, v_cache)``, each ``[NB, BS, Hkv, D]``.
+            kv_caches: per layer, one cache tensor ``[NB, BS, Hc, Dc]`` per tensor its
+                ``kv_spec`` layer declares, in that order (``(k_cache, v_cache)`` for GQA).
             logits_indices: int64 ``[S']``, which of the ``T`` rows need logits.
 
         Returns:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from zllm.capabilities.ops import OpDeclaration
 from zllm.domain.quant import dequantize
-from zllm.weights.formats import QuantizedTensor, format_of
+from zllm.weights.formats import ALL_FORMATS, QuantizedTensor, format_of
 
 
 def weight_to_f32(weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
@@ -49,3 +50,18 @@ def embedding(weight: torch.Tensor | QuantizedTensor, ids: torch.Tensor) -> torc
     assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < v), ("token id out of range", v)
     w = weight_to_f32(weight)  # [V, K]
     return w[ids]  # [T, K]
+
+
+OPS = (
+    OpDeclaration(
+        name="embedding", variants=ALL_FORMATS, args=("weight", "ids"), weight_arg="weight",
+        signature="(weight [V, K], ids int64 [T]) -> f32 [T, K]",
+        reference="zllm.domain.linear:embedding", cases="zllm.conformance.cases:embedding_cases",
+    ),
+    OpDeclaration(
+        name="linear", variants=ALL_FORMATS, args=("x", "weight", "bias"), weight_arg="weight",
+        optional_args=("bias",),
+        signature="(x f32 [T, K], weight [N, K], bias f32 [N] or None) -> f32 [T, N]",
+        reference="zllm.domain.linear:linear", cases="zllm.conformance.cases:linear_cases",
+    ),
+)

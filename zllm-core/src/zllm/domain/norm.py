@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from zllm.capabilities.ops import OpDeclaration
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: ``x`` f32 ``[T, K]``, ``weight`` ``[K]`` (any float dtype) -> f32 ``[T, K]``."""
@@ -32,3 +34,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     assert x.shape == residual.shape and residual.dtype == torch.float32, (x.shape, residual.shape, residual.dtype)
     h = x + residual  # [T, K]
     return rms_norm(h, weight, eps), h
+
+
+OPS = (
+    OpDeclaration(
+        name="rms_norm", variants=("f32",), args=("x", "weight", "eps"),
+        signature="(x f32 [T, K], weight [K], eps float) -> f32 [T, K]",
+        reference="zllm.domain.norm:rms_norm", cases="zllm.conformance.cases:rms_norm_cases",
+    ),
+    OpDeclaration(
+        name="add_rms_norm", variants=("f32",), args=("x", "residual", "weight", "eps"),
+        signature="(x f32 [T, K], residual f32 [T, K], weight [K], eps float) -> "
+                  "(rms_norm(x + residual) f32 [T, K], x + residual f32 [T, K])",
+        reference="zllm.domain.norm:add_rms_norm", cases="zllm.conformance.cases:add_rms_norm_cases",
+    ),
+)

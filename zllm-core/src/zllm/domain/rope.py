@@ -46,6 +46,8 @@ from typing import Any
 import attrs
 import torch
 
+from zllm.capabilities.ops import OpDeclaration
+
 #: RoPE types :func:`rope_inv_freq` implements (HF ``rope_type`` names).
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -299,3 +301,14 @@ def apply_rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     x1, x2 = pairs[..., 0], pairs[..., 1]  # [T, H, D2] each
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D2]
     return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).reshape(t, h, d)  # [T, H, D]
+
+
+OPS = (
+    OpDeclaration(
+        name="rope", variants=("neox", "gptj"), args=("x", "cos", "sin"),
+        signature="(x f32 [T, H, D], cos f32 [T, D/2], sin f32 [T, D/2]) -> f32 [T, H, D]; "
+                  "neox: half-rotation (GPT-NeoX / HF) pairs (i, i + D/2); gptj: interleaved pairs (2i, 2i + 1)",
+        reference="zllm.domain.rope:apply_rope", variant_references={"gptj": "zllm.domain.rope:apply_rope_gptj"},
+        cases="zllm.conformance.cases:rope_cases",
+    ),
+)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from zllm.capabilities.ops import SamplingRow
+from zllm.capabilities.ops import OpDeclaration, SamplingRow
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -82,3 +82,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row: ``logits`` f32 ``[S, V]``, ``rows`` ``S`` settings -> int64 ``[S]``."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
     return torch.tensor([sample_row(logits[s], rows[s]) for s in range(len(rows))], dtype=torch.int64, device=logits.device)
+
+
+OPS = (
+    OpDeclaration(
+        name="sample", variants=("f32",), args=("logits", "params"),
+        signature="(logits f32 [S, V], params list[SamplingRow]) -> int64 [S]",
+        reference="zllm.domain.sampling:sample", cases="zllm.conformance.cases:sample_cases",
+    ),
+)

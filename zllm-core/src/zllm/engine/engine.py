@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from zllm.engine.loader import LoadedModel, auto_num_blocks, kv_cache_dtype, load_model
+from zllm.domain.family import model_kv_spec
+from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
@@ -38,16 +39,15 @@ class Engine:
     def __init__(self, loaded: LoadedModel, host: PluginHost):
         self.loaded, self.host = loaded, host
         cfg = loaded.config
-        shape = loaded.model.kv_shape
-        num_blocks = cfg.runtime.kv_cache.num_blocks or auto_num_blocks(cfg, loaded)
+        kv_spec = model_kv_spec(loaded.model)
+        num_blocks = loaded.kv_num_blocks
         block_size = cfg.runtime.kv_cache.block_size
         dtype = kv_cache_dtype(cfg)
         try:
-            kv = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks,
-                              block_size, dtype=dtype, device=loaded.backend.device)
+            kv = PagedKVCache(kv_spec, num_blocks, block_size, dtype=dtype, device=loaded.backend.device)
         except (RuntimeError, MemoryError) as exc:  # torch reports a failed allocation as RuntimeError
             key = "num_blocks" if cfg.runtime.kv_cache.num_blocks else "block_size"
-            nbytes = 2 * shape.num_layers * num_blocks * block_size * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+            nbytes = num_blocks * kv_spec.block_bytes(block_size, dtype.itemsize)
             raise ConfigError(
                 f"runtime.kv_cache.{key}",
                 f"{num_blocks} KV blocks of {block_size} tokens need {nbytes / 2**30:.1f} GiB, which cannot "

@@ -13,10 +13,12 @@ import time
 from collections.abc import Callable
 
 import attrs
+import psutil
 import torch
 
 from zllm.capabilities import Capability
-from zllm.domain.family import FamilyInfo
+from zllm.domain.family import FamilyInfo, model_kv_spec
+from zllm.domain.kv_cache import KVCacheSpec
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
@@ -32,8 +34,11 @@ from zllm.spec.errors import (
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
 
-#: Upper bound for an automatically sized KV cache.
-AUTO_KV_BUDGET_BYTES = 1 << 30
+#: Share of the memory available before the weights are read that weights and an automatically
+#: sized KV cache (``runtime.kv_cache.num_blocks: null``) may take together; the rest is left
+#: to activations, the allocator and (on a CPU) the rest of the machine. vLLM's
+#: ``gpu_memory_utilization`` defaults to 0.9 of a GPU; zllm shares a CPU with the OS too.
+AUTO_KV_MEMORY_FRACTION = 0.8
 
 
 @attrs.define
@@ -52,6 +57,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     context_length: int
     load_seconds: float
+    #: KV blocks to allocate: ``runtime.kv_cache.num_blocks``, or when it is null
+    #: :func:`auto_num_blocks` of the memory the backend reported before the weights were read.
+    kv_num_blocks: int
 
 
 def _stored_format(fmt: str, dtype: str) -> str:
@@ -103,7 +111,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
         except TensorError for mis-shaped data found while reading.
     """
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(cfg.model.path, cfg.model.format)
+    ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
     info = resolve_family(host, ckpt)
     family = info.load()
     spec = family.parse_config(ckpt.config, str(ckpt.path))
@@ -119,20 +127,30 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     check_backend_instance(backend, choice.info.name)
     check_device_capabilities(backend, needed, choice.info.name, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
-                   batch_invariant=cfg.runtime.batch_invariant)
+                   batch_invariant=cfg.runtime.batch_invariant, ops=host.ops)
 
     model_ctx = spec.context_length
     ctx = cfg.runtime.context_length or model_ctx
     if ctx > model_ctx:
         raise ConfigError("runtime.context_length", f"{ctx} exceeds the model's context window of {model_ctx} tokens")
+    # Queried before the weights take their share; with the weights' size in memory (after the
+    # dtype conversion) it sizes a cache the config leaves to memory.
+    available = None if cfg.runtime.kv_cache.num_blocks else available_memory_bytes(backend, choice.info.name)
     if on_start is not None:
         on_start(sum(_nbytes(ckpt, n) for n in specs if n in present))
     weights = load_weights(ckpt, specs, cfg.model.dtype, on_tensor=on_tensor)
     weights = {k: _place(backend, v) for k, v in weights.items()}
     model = family.build(spec, weights, ops)
     tokenizer = ckpt.load_tokenizer()
+    blocks = cfg.runtime.kv_cache.num_blocks
+    if available is not None:
+        blocks = auto_num_blocks(model_kv_spec(model), block_size=cfg.runtime.kv_cache.block_size,
+                                 itemsize=kv_cache_dtype(cfg).itemsize, context_length=ctx,
+                                 max_seqs=cfg.runtime.max_num_seqs + cfg.runtime.prefix_cache_seqs,
+                                 available_bytes=available, weight_bytes=sum(_nbytes(ckpt, n, formats[n]) for n in formats),
+                                 device=str(backend.device))
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
-                       ctx, time.perf_counter() - t0)
+                       ctx, time.perf_counter() - t0, blocks)
 
 
 def check_backend_instance(backend: object, name: str) -> None:
@@ -184,8 +202,10 @@ def device_unsupported_capabilities(backend: object) -> dict[str, str]:
         raise PluginError(f"{cls}.unsupported_capabilities() failed: {type(exc).__name__}: {exc}") from None
 
 
-def _nbytes(ckpt: Checkpoint, name: str) -> int:
-    shape, fmt = ckpt.tensor_shape_format(name)
+def _nbytes(ckpt: Checkpoint, name: str, fmt: str | None = None) -> int:
+    """Bytes of tensor ``name`` stored in ``fmt`` (default: the checkpoint's format)."""
+    shape, stored = ckpt.tensor_shape_format(name)
+    fmt = fmt or stored
     n = math.prod(shape)
     if fmt in BLOCK_LAYOUTS:
         layout = BLOCK_LAYOUTS[fmt]
@@ -204,12 +224,52 @@ def kv_cache_dtype(cfg: ZllmConfig) -> torch.dtype:
     return DTYPE_OF_FORMAT[cfg.runtime.kv_cache.dtype]
 
 
-def auto_num_blocks(cfg: ZllmConfig, loaded: LoadedModel) -> int:
-    """KV blocks for ``max_num_seqs + prefix_cache_seqs`` full-context sequences, capped at
-    :data:`AUTO_KV_BUDGET_BYTES` but never below one full-context sequence."""
-    shape = loaded.model.kv_shape
-    bs = cfg.runtime.kv_cache.block_size
-    per_seq = math.ceil(loaded.context_length / bs)
-    block_bytes = 2 * shape.num_layers * bs * shape.num_kv_heads * shape.head_dim * kv_cache_dtype(cfg).itemsize
-    want = per_seq * (cfg.runtime.max_num_seqs + cfg.runtime.prefix_cache_seqs)
-    return max(per_seq, min(want, AUTO_KV_BUDGET_BYTES // block_bytes))
+def available_memory_bytes(backend: object, name: str) -> int:
+    """Bytes the backend's device can still allocate: the backend instance's optional
+    ``available_memory_bytes()`` (a GPU backend asks its driver), else the host's available
+    RAM (``psutil.virtual_memory().available``: free plus reclaimable page cache), which is
+    what a CPU — or a unified-memory GPU — allocates from.
+
+    Raises:
+        PluginError: the backend's method raised or returned no int >= 0 (names the backend).
+    """
+    query = getattr(backend, "available_memory_bytes", None)
+    if query is None:
+        return int(psutil.virtual_memory().available)
+    try:
+        value = query()
+    except Exception as exc:  # a failing device query is the plugin's error, reported as one
+        raise PluginError(f"backend {name!r}: available_memory_bytes() failed: {type(exc).__name__}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PluginError(f"backend {name!r}: available_memory_bytes() returned {value!r}, not an int >= 0")
+    return value
+
+
+def auto_num_blocks(kv_spec: KVCacheSpec, *, block_size: int, itemsize: int, context_length: int, max_seqs: int,
+                    available_bytes: int, weight_bytes: int, device: str,
+                    fraction: float = AUTO_KV_MEMORY_FRACTION) -> int:
+    """KV blocks for ``runtime.kv_cache.num_blocks: null``.
+
+    ``min(ceil(context_length / block_size) * max_seqs, (fraction * available_bytes -
+    weight_bytes) // block_bytes)``: as many blocks as ``max_seqs`` full-context sequences
+    can ever use (running plus parked in the prefix cache), within the share ``fraction`` of
+    the memory available before the weights were read, less the weights. ``block_bytes`` is
+    :meth:`KVCacheSpec.block_bytes`.
+
+    Raises:
+        ConfigError: (``runtime.kv_cache.num_blocks``) that memory does not hold one
+            full-context sequence; says how much it needs and has, and what to set.
+    """
+    per_seq = math.ceil(context_length / block_size)
+    block_bytes = kv_spec.block_bytes(block_size, itemsize)
+    budget = int(available_bytes * fraction) - weight_bytes
+    fit = max(0, budget) // block_bytes
+    if fit < per_seq:
+        raise ConfigError(
+            "runtime.kv_cache.num_blocks",
+            f"null sizes the KV cache from memory, but one {context_length}-token sequence needs "
+            f"{per_seq * block_bytes / 2**20:.1f} MiB and {fraction:g} of the {available_bytes / 2**30:.2f} GiB "
+            f"available on {device}, less {weight_bytes / 2**30:.2f} GiB of weights, leaves "
+            f"{max(0, budget) / 2**20:.1f} MiB; set runtime.context_length lower or runtime.kv_cache.num_blocks",
+        )
+    return min(per_seq * max_seqs, fit)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 #: The plugin API the core speaks. A plugin whose ``ZLLM_PLUGIN_API`` has another major
 #: is skipped with a warning; a newer minor is accepted only if it is <= this minor.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 0)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 1)
 
 PROJECT = "zllm"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -59,7 +59,10 @@ def zllm_model_families() -> list[FamilyInfo]:
     Parameters: none.
     Returns: a list of :class:`~zllm.domain.family.FamilyInfo` (may be empty).
     Semantics: all results are collected; two families claiming the same HF ``model_type``
-    is an error naming both.
+    is an error naming both. Each family's ``gguf_architectures`` (plugin API 1.1) are
+    collected into ``PluginHost.gguf_maps``, through which every GGUF file is read; two
+    families mapping one architecture, or a map to a ``model_type`` its family does not
+    handle, is an error naming them.
     """
 
 

@@ -16,12 +16,14 @@ import attrs
 import pluggy
 
 from zllm.capabilities.backend import BackendInfo
+from zllm.capabilities.ops import OpTable
 from zllm.domain.family import FamilyInfo
-from zllm.domain.references import register_references
+from zllm.domain.ops import CORE_OPS, register_references
 from zllm.kernels.registry import KernelRegistry
 from zllm.plugins import hookspecs
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION
 from zllm.spec.errors import PluginError
+from zllm.weights.gguf_maps import GGUFArchMap
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +91,20 @@ class PluginHost:
         allowlist: entry-point names to load (the ``ZLLM_PLUGINS`` setting, read by the
             caller at the edge); ``None`` loads all.
         entry_points: override of the discovered entry points (tests pass their own).
+        ops: the op declarations this host knows (default: the core's); their references are
+            registered under ``reference``, and binding and conformance read them from
+            :attr:`ops`.
     """
 
-    def __init__(self, allowlist: Iterable[str] | None = None, entry_points: Iterable[metadata.EntryPoint] | None = None):
+    def __init__(self, allowlist: Iterable[str] | None = None, entry_points: Iterable[metadata.EntryPoint] | None = None,
+                 ops: OpTable = CORE_OPS):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.allowlist = None if allowlist is None else {a.strip() for a in allowlist if a.strip()}
         self.records: list[PluginRecord] = []
+        self.ops = ops
         self.kernels = KernelRegistry()
-        register_references(self.kernels)
+        register_references(self.kernels, ops)
         eps = list(entry_points) if entry_points is not None else list(metadata.entry_points(group=ENTRY_POINT_GROUP))
         for ep in sorted(eps, key=lambda e: e.name):
             self._load(ep)
@@ -114,6 +121,9 @@ class PluginHost:
             )
         self.backends: dict[str, BackendInfo] = {}
         self.families: dict[str, FamilyInfo] = {}
+        #: GGUF architecture -> map, from every family's ``gguf_architectures``.
+        self.gguf_maps: dict[str, GGUFArchMap] = {}
+        self._gguf_owner: dict[str, str] = {}
         self._collect()
         self.pm.hook.zllm_register_kernels(registry=self.kernels)
 
@@ -151,22 +161,33 @@ class PluginHost:
     def _collect(self) -> None:
         by_name = {r.name: r for r in self.records}
         for impl in self.pm.hook.zllm_backends.get_hookimpls():
-            backends: list[BackendInfo] = impl.function() or []  # type: ignore[assignment]  # pluggy types results as object
-            for info in backends:
+            for info in impl.function() or []:
                 if info.name in self.backends:
                     raise PluginError(f"backend {info.name!r} is published by two plugins: {self._owner(info.name, 'backend')} and {impl.plugin_name}")
                 self.backends[info.name] = info
                 by_name[impl.plugin_name].kinds.append(f"backend:{info.name}")
         claimed: dict[str, str] = {}
         for impl in self.pm.hook.zllm_model_families.get_hookimpls():
-            families: list[FamilyInfo] = impl.function() or []  # type: ignore[assignment]  # pluggy types results as object
-            for fam in families:
-                for mt in fam.model_types:
+            for info in impl.function() or []:
+                for mt in info.model_types:
                     if mt in claimed:
-                        raise PluginError(f"model_type {mt!r} is claimed by families {claimed[mt]!r} and {fam.name!r}")
-                    claimed[mt] = fam.name
-                self.families[fam.name] = fam
-                by_name[impl.plugin_name].kinds.append(f"family:{fam.name}")
+                        raise PluginError(f"model_type {mt!r} is claimed by families {claimed[mt]!r} and {info.name!r}")
+                    claimed[mt] = info.name
+                self.families[info.name] = info
+                by_name[impl.plugin_name].kinds.append(f"family:{info.name}")
+                self._collect_gguf_maps(info)
+
+    def _collect_gguf_maps(self, info: FamilyInfo) -> None:
+        for arch, arch_map in info.gguf_architectures.items():
+            if arch in self.gguf_maps:
+                raise PluginError(f"GGUF architecture {arch!r} is mapped by families {self._gguf_owner[arch]!r} "
+                                  f"and {info.name!r}")
+            if arch_map.model_type not in info.model_types:
+                raise PluginError(f"family {info.name!r} maps GGUF architecture {arch!r} to model_type "
+                                  f"{arch_map.model_type!r}, which it does not handle (its model types: "
+                                  f"{', '.join(info.model_types)})")
+            self.gguf_maps[arch] = arch_map
+            self._gguf_owner[arch] = info.name
 
     def _owner(self, name: str, kind: str) -> str:
         return next((r.name for r in self.records if f"{kind}:{name}" in r.kinds), "?")

@@ -1,13 +1,15 @@
 """Paged KV cache: fixed-size blocks, per-sequence block tables, a free list.
 
-Memory is ``num_layers`` pairs of ``[NB, BS, Hkv, D]`` tensors allocated once. A
-sequence holds an opaque :class:`SeqKV` handle; the cache hands out slots (``block * BS +
-offset``) for new tokens, which the attention kernel writes. No state is global: each
-engine owns its cache (vLLM's PagedAttention, Kwon et al. 2023).
+Memory follows the model's :class:`~zllm.domain.kv_cache.KVCacheSpec`: per layer, one
+``[NB, BS, Hc, Dc]`` tensor per cached tensor the layer declares (K and V for GQA, one
+latent for MLA), allocated once; every layer shares the block tables. A sequence holds an
+opaque :class:`SeqKV` handle; the cache hands out slots (``block * BS + offset``) for new
+tokens, which the attention kernels write. No state is global: each engine owns its cache
+(vLLM's PagedAttention, Kwon et al. 2023).
 
 Sliding window: when every layer of the model attends only to the last ``W`` tokens
-(:attr:`PagedKVCache.sliding_window`, set by the model runner from the model's
-``KVCacheShape``), :meth:`PagedKVCache.append` first returns to the free list the blocks of
+(:attr:`PagedKVCache.sliding_window`, the spec's ``evictable_window``),
+:meth:`PagedKVCache.append` first returns to the free list the blocks of
 the sequence that lie wholly before key ``num_tokens - W + 1`` — the oldest key the next
 query may read. Their block-table entries become -1 (the sliding attention kernels never
 read them) and ``SeqKV.num_evicted`` counts them. Such a sequence can only move forward:
@@ -22,6 +24,7 @@ import math
 
 import torch
 
+from zllm.domain.kv_cache import KVCacheSpec
 from zllm.spec.errors import ZllmError
 
 
@@ -44,23 +47,32 @@ class PagedKVCache:
     """Block-paged KV storage for every layer of one model.
 
     Args:
-        num_layers, num_kv_heads, head_dim: model geometry.
+        spec: what each layer caches per token (the model's ``kv_spec``).
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         dtype, device: storage of the cache tensors.
+
+    Attributes:
+        layers: per layer, the tuple of its cache tensors ``[NB, BS, Hc, Dc]`` in the order
+            its :class:`~zllm.domain.kv_cache.KVLayerSpec` declares them.
+        nbytes: bytes of every cache tensor together (``spec.block_bytes`` per block).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         assert num_blocks > 0 and block_size > 0
+        self.spec = spec
         self.block_size, self.num_blocks = block_size, num_blocks
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(num_layers)]
+        self.layers: list[tuple[torch.Tensor, ...]] = [
+            tuple(torch.zeros((num_blocks, block_size, t.num_heads, t.head_dim), dtype=dtype, device=device)
+                  for t in layer.tensors)
+            for layer in spec.layers
+        ]
+        self.nbytes = num_blocks * spec.block_bytes(block_size, dtype.itemsize)
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free = list(range(num_blocks - 1, -1, -1))
         #: Window of a model whose every layer is sliding (see the module docstring); None keeps all blocks.
-        self.sliding_window: int | None = None
+        self.sliding_window: int | None = spec.evictable_window
 
     def _outside_window(self, seq: SeqKV) -> list[int]:
         """Indices in ``seq.blocks`` of held blocks that end before key ``num_tokens - W + 1``."""

@@ -61,7 +61,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
-        self.runner = ModelRunner(model, ops, kv, device)  # first: it sets the cache's sliding window
+        self.runner = ModelRunner(model, ops, kv, device)
         self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens)
         self._ids = itertools.count()
 

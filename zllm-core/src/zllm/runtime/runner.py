@@ -46,9 +46,7 @@ class ModelRunner:
 
     def __init__(self, model, ops, kv: PagedKVCache, device: torch.device):
         self.model, self.ops, self.kv, self.device = model, ops, kv, device
-        self.scale = model.kv_shape.head_dim ** -0.5
-        # An all-sliding model lets the cache free blocks that left the window (kv_cache docstring).
-        kv.sliding_window = model.kv_shape.sliding_window
+        self.scale = kv.spec.attention_scale  # the family's, not derived from a cached width
 
     def execute(self, step: ScheduledStep) -> list[tuple[Sequence, int]]:
         """Compute the step's tokens; return ``(sequence, sampled token)`` for every sequence

@@ -109,6 +109,12 @@ class KernelNotFound(ZllmError):
         super().__init__(f"no kernel {op!r} for backend {backend!r} and format {fmt!r}; registered for {op!r}: {have}")
 
 
+class BoundOpError(ZllmError):
+    """A model called a bound op the way its binding does not allow: an op bound in several
+    variants called without naming one, or a variant that was not bound. Names the op and
+    what is bound."""
+
+
 class PluginError(ZllmError):
     """A plugin cannot be used (not installed, filtered out, broken, unavailable device)."""
 

@@ -8,6 +8,7 @@ single GGUF file (see :mod:`zllm.weights.gguf_file`). Both present tensors under
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from zllm.spec.errors import CheckpointError
 from zllm.weights.formats import QuantizedTensor
+from zllm.weights.gguf_maps import GGUFArchMap
 
 CHECKPOINT_FORMATS = ("auto", "hf", "gguf")
 GGUF_MAGIC = b"GGUF"
@@ -104,13 +106,17 @@ class Checkpoint(abc.ABC):
         """
 
 
-def open_checkpoint(path: str | Path, fmt: str = "auto") -> Checkpoint:
+def open_checkpoint(path: str | Path, fmt: str = "auto", gguf_maps: Mapping[str, GGUFArchMap] | None = None) -> Checkpoint:
     """Open the checkpoint at ``path``.
 
     Args:
         path: an HF checkpoint directory (``config.json`` + ``model.safetensors`` or
             ``model.safetensors.index.json`` and its shards) or a ``.gguf`` file.
         fmt: ``"auto"`` (a directory is ``hf``, a file is ``gguf``), ``"hf"`` or ``"gguf"``.
+        gguf_maps: GGUF architecture -> map, through which a GGUF file's config and tensor
+            names are read (the model families' maps: ``PluginHost.gguf_maps``). None maps
+            no architecture: the file's metadata and tokenizer still read, its config
+            raises :class:`~zllm.spec.errors.UnknownArchitectureError`.
 
     Returns:
         The opened :class:`Checkpoint`. Headers are parsed and file sizes checked against
@@ -147,4 +153,4 @@ def open_checkpoint(path: str | Path, fmt: str = "auto") -> Checkpoint:
         )
     from zllm.weights.gguf_file import GGUFCheckpoint
 
-    return GGUFCheckpoint(path)
+    return GGUFCheckpoint(path, gguf_maps or {})

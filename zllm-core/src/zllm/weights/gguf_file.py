@@ -3,13 +3,15 @@
 The reader memory-maps the file copy-on-write (``mode="c"``): tensor arrays are writable
 views of the mapping, so ``torch.from_numpy`` shares them without a copy or a read-only
 warning, and nothing written to a tensor reaches the file. Config, tensor names and the
-Q/K RoPE layout come from the declarative maps in :mod:`zllm.weights.gguf_maps`.
+Q/K RoPE layout come from the declarative map of the file's architecture
+(:class:`~zllm.weights.gguf_maps.GGUFArchMap`), which the model families provide.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,6 @@ from zllm.weights.checkpoint import Checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm.weights.gguf_header import GGUFFormatError, GGUFPartialBlockError, GGUFTensorInfo, read_gguf_header
 from zllm.weights.gguf_maps import (
-    ARCH_MAPS,
     REQUIRED,
     ROPE_ADJACENT_PAIR,
     ROPE_FREQS_TENSOR,
@@ -59,15 +60,17 @@ def _f32_value(value: float) -> float:
 class GGUFCheckpoint(Checkpoint):
     """A GGUF file. See :func:`zllm.weights.open_checkpoint` for the errors at open.
 
-    ``config`` and ``tensor_names`` need a map for the file's architecture
-    (:data:`zllm.weights.gguf_maps.ARCH_MAPS`); ``metadata``, ``files`` and
-    ``load_tokenizer`` work for any architecture (vocabulary-only files included).
+    ``config`` and ``tensor_names`` need a map for the file's architecture among
+    ``arch_maps`` (the installed families' maps, ``PluginHost.gguf_maps``); ``metadata``,
+    ``files`` and ``load_tokenizer`` work for any architecture (vocabulary-only files
+    included).
     """
 
     format = "gguf"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, arch_maps: Mapping[str, GGUFArchMap]):
         self.path = path
+        self._arch_maps = dict(arch_maps)
         try:
             header = read_gguf_header(path)
         except GGUFPartialBlockError as e:
@@ -111,10 +114,11 @@ class GGUFCheckpoint(Checkpoint):
     def _map(self) -> GGUFArchMap:
         arch = self.architecture
         try:
-            return ARCH_MAPS[arch]
+            return self._arch_maps[arch]
         except KeyError:
+            mapped = ", ".join(sorted(self._arch_maps)) or "none (no installed model family maps a GGUF architecture)"
             raise UnknownArchitectureError(
-                str(self.path), f"no GGUF map for architecture {arch!r}; mapped architectures: {', '.join(sorted(ARCH_MAPS))}"
+                str(self.path), f"no GGUF map for architecture {arch!r}; mapped architectures: {mapped}"
             ) from None
 
     def _scalar(self, key: str) -> Any:

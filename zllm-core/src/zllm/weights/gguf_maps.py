@@ -1,6 +1,6 @@
-"""Declarative per-architecture maps from GGUF to zllm's canonical (Hugging Face) view.
+"""Declarative maps from a GGUF architecture to zllm's canonical (Hugging Face) view: the types.
 
-For each GGUF ``general.architecture`` this module states, as data:
+A GGUF file names its ``general.architecture``; a :class:`GGUFArchMap` states, as data:
 
 - how to build an HF-style ``config.json`` dict from the GGUF key/values, with the default
   llama.cpp uses when a key is absent;
@@ -8,30 +8,20 @@ For each GGUF ``general.architecture`` this module states, as data:
 - the RoPE row layout of the Q and K projections, which the config reports
   (``rope_interleaved``) so the model rotates the pairs where the file keeps them.
 
-Sources (llama.cpp, ggml-org/llama.cpp):
+The maps themselves belong to the model families: a family distribution hands its maps to
+the core as data (``FamilyInfo.gguf_architectures``), the plugin host collects them
+(``PluginHost.gguf_maps``) and :func:`zllm.weights.open_checkpoint` reads a GGUF file
+through them. A third-party family adds a GGUF architecture without a core release.
 
-- key names: ``gguf-py/gguf/constants.py`` (``Keys.LLM``, ``Keys.Attention``, ``Keys.Rope``);
-- defaults: ``src/llama-model.cpp`` ``llama_model::load_hparams`` — ``n_head_kv`` defaults to
-  ``n_head``; ``n_embd_head_k`` defaults to ``n_embd / n_head``; ``rope_freq_base_train``
-  defaults to 10000; context length, embedding length, feed-forward length, block count,
-  head count and (for llama) the RMS-norm epsilon are required;
-- tensor names: ``gguf-py/gguf/constants.py`` ``TENSOR_NAMES`` / ``MODEL_TENSORS[LLAMA]`` and
-  ``gguf-py/gguf/tensor_mapping.py`` (HF names per GGUF tensor);
-- ``output.weight`` absent means tied embeddings: ``llama-model.cpp`` creates ``output`` with
-  ``TENSOR_NOT_REQUIRED`` and falls back to ``token_embd`` (``TENSOR_DUPLICATED``);
-- Q/K row order: ``convert_hf_to_gguf.py`` ``LlamaModel.permute`` (see :data:`ROPE_ADJACENT_PAIR`).
-- RoPE type per architecture: ``src/llama-model.cpp`` ``llama_model_rope_type``:
-  ``LLM_ARCH_LLAMA`` (also what the converter writes for Mistral) -> ``LLAMA_ROPE_TYPE_NORM``
-  (adjacent pairs; the converter permutes Q/K rows), ``LLM_ARCH_QWEN2``/``LLM_ARCH_QWEN3``
-  -> ``LLAMA_ROPE_TYPE_NEOX`` (half rotation, HF row order, no permutation:
-  ``Qwen2Model`` in ``convert_hf_to_gguf.py`` does not override ``modify_tensors``).
+What is shared by every architecture lives here (llama.cpp, ggml-org/llama.cpp):
+
+- ``{arch}.*`` keys are read by their ``gguf-py/gguf/constants.py`` names (``Keys.LLM``,
+  ``Keys.Attention``, ``Keys.Rope``);
 - RoPE scaling keys (``Keys.Rope``): ``{arch}.rope.scaling.type`` (``none``, ``linear``,
   ``yarn``; llama.cpp's ``LLAMA_ROPE_SCALING_TYPES``), ``.factor``,
   ``.original_context_length``, ``.yarn_beta_fast``/``.yarn_beta_slow``; llama3's
   per-frequency factors are the tensor ``rope_freqs.weight`` (``MODEL_TENSOR.ROPE_FREQS``)
   written by ``LlamaModel.generate_extra_tensors`` (see :func:`rope_scaling_config`).
-- Qwen3 per-head norms: ``blk.N.attn_q_norm`` / ``blk.N.attn_k_norm``
-  (``MODEL_TENSORS[QWEN3]``); Qwen2 q/k/v biases are ``blk.N.attn_{q,k,v}.bias``.
 """
 
 from __future__ import annotations
@@ -93,75 +83,6 @@ class GGUFArchMap:
     bias_flags: dict[str, str]
     rope_layout: str
 
-
-def _heads(config: dict[str, Any]) -> int:
-    return config["num_attention_heads"]
-
-
-def _head_dim(config: dict[str, Any]) -> int:
-    return config["hidden_size"] // config["num_attention_heads"]
-
-
-# The transformer-decoder hyperparameters llama.cpp stores under the same names for every
-# architecture mapped here (llama.cpp's LLM_KV_* keys, prefixed with the architecture).
-_DECODER_KEYS = (
-    ConfigKey("max_position_embeddings", "context_length"),
-    ConfigKey("hidden_size", "embedding_length"),
-    ConfigKey("intermediate_size", "feed_forward_length"),
-    ConfigKey("num_hidden_layers", "block_count"),
-    ConfigKey("num_attention_heads", "attention.head_count"),
-    ConfigKey("num_key_value_heads", "attention.head_count_kv", _heads),
-    ConfigKey("head_dim", "attention.key_length", _head_dim),
-    ConfigKey("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
-    ConfigKey("rope_theta", "rope.freq_base", 10000.0),
-)
-
-LLAMA = GGUFArchMap(
-    model_type="llama",
-    constants={"hidden_act": "silu"},
-    keys=_DECODER_KEYS,
-    global_tensors={
-        "token_embd": "model.embed_tokens",
-        "output_norm": "model.norm",
-        "output": "lm_head",
-    },
-    block_tensors={
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
-    bias_flags={"attention_bias": "attn_q", "mlp_bias": "ffn_up"},
-    rope_layout=ROPE_ADJACENT_PAIR,
-)
-
-
-QWEN2 = GGUFArchMap(
-    model_type="qwen2",
-    constants={"hidden_act": "silu"},
-    keys=_DECODER_KEYS,
-    global_tensors=LLAMA.global_tensors,
-    block_tensors=LLAMA.block_tensors,
-    bias_flags={},  # q/k/v biases are part of the architecture (Qwen2Attention)
-    rope_layout=ROPE_HALF_ROTATION,
-)
-
-QWEN3 = GGUFArchMap(
-    model_type="qwen3",
-    constants={"hidden_act": "silu"},
-    keys=_DECODER_KEYS,
-    global_tensors=LLAMA.global_tensors,
-    block_tensors={**LLAMA.block_tensors, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-    bias_flags={"attention_bias": "attn_q"},
-    rope_layout=ROPE_HALF_ROTATION,
-)
-
-ARCH_MAPS: dict[str, GGUFArchMap] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 #: GGUF tensor holding per-frequency RoPE divisors (llama3 scaling); read into the config
 #: as ``rope_freq_factors`` rather than presented as a weight.

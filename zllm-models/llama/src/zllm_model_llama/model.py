@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from zllm.plugin_api import AttentionMetadata, KVCacheShape, rope_cos_sin, rope_inv_freq
+from zllm.plugin_api import AttentionMetadata, KVCacheSpec, KVLayerSpec, rope_cos_sin, rope_inv_freq
 from zllm_model_llama.spec import LlamaSpec
 
 
@@ -57,7 +57,12 @@ class LlamaModel:
         self.spec, self.ops = spec, ops
         self.vocab_size = spec.vocab_size
         self.context_length = spec.context_length
-        self.kv_shape = KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_sliding_window)
+        # K and V of Hkv heads per layer, each layer with its own window; scores scaled by D ** -0.5
+        # (HF LlamaAttention.scaling; YaRN's factor scales cos/sin instead, as HF does).
+        self.kv_spec = KVCacheSpec(
+            tuple(KVLayerSpec.gqa(spec.num_kv_heads, spec.head_dim, window) for window in spec.layer_windows),
+            attention_scale=spec.head_dim ** -0.5,
+        )
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]

@@ -1,12 +1,15 @@
 """Entry point of the ``zllm-model-llama`` distribution (group ``zllm``, name ``llama``).
 
 One distribution, one layer code, several HF ``model_type`` values: each published
-:class:`FamilyInfo` names a small family class in :mod:`zllm_model_llama.family`.
+:class:`FamilyInfo` names a small family class in :mod:`zllm_model_llama.family` and
+hands the core the GGUF architectures it reads (:mod:`zllm_model_llama.gguf`; Mistral GGUF
+files are written as ``llama``).
 """
 
 from zllm.plugin_api import FamilyInfo, hookimpl
+from zllm_model_llama.gguf import GGUF_ARCHITECTURES
 
-ZLLM_PLUGIN_API = "1.0"
+ZLLM_PLUGIN_API = "1.1"
 
 
 @hookimpl
@@ -16,6 +19,7 @@ def zllm_model_families() -> list[FamilyInfo]:
             name="llama",
             model_types=("llama",),
             factory="zllm_model_llama.family:LlamaFamily",
+            gguf_architectures={"llama": GGUF_ARCHITECTURES["llama"]},
             description="Llama architecture: MHA/GQA/MQA, RMSNorm, RoPE (+ linear/dynamic/llama3/yarn scaling), SwiGLU",
         ),
         FamilyInfo(
@@ -28,12 +32,14 @@ def zllm_model_families() -> list[FamilyInfo]:
             name="qwen2",
             model_types=("qwen2",),
             factory="zllm_model_llama.family:Qwen2Family",
+            gguf_architectures={"qwen2": GGUF_ARCHITECTURES["qwen2"]},
             description="Qwen2: llama layers with q/k/v biases, per-layer full or sliding attention",
         ),
         FamilyInfo(
             name="qwen3",
             model_types=("qwen3",),
             factory="zllm_model_llama.family:Qwen3Family",
+            gguf_architectures={"qwen3": GGUF_ARCHITECTURES["qwen3"]},
             description="Qwen3: llama layers with per-head q/k RMSNorm, per-layer full or sliding attention",
         ),
     ]

@@ -100,12 +100,6 @@ class LlamaSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def kv_sliding_window(self) -> int | None:
-        """The window when every layer slides (the KV cache may then drop old blocks), else None."""
-        windows = set(self.layer_windows)
-        return windows.pop() if len(windows) == 1 and None not in windows else None
-
 
 def _flag(cfg: dict[str, Any], rule: str | bool) -> bool:
     return rule if isinstance(rule, bool) else bool(cfg.get(rule, False))
