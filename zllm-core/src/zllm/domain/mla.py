@@ -51,7 +51,13 @@ from zllm.capabilities.ops import AttentionMetadata
 from zllm.domain.attention import causal_softmax_attention, gather_context
 from zllm.domain.linear import linear, weight_to_f32
 from zllm.domain.norm import rms_norm
-from zllm.domain.rope import RopeParams, apply_rope, apply_rope_gptj, deepseek_softmax_scale, rope_params_from_config
+from zllm.domain.rope import (
+    RopeParams,
+    apply_rope,
+    apply_rope_gptj,
+    deepseek_softmax_scale,
+    rope_params_from_config,
+)
 from zllm.weights.formats import QuantizedTensor
 
 Weight = torch.Tensor | QuantizedTensor
@@ -94,15 +100,27 @@ class MlaConfig:
     latent_norm_eps: float = 1e-6
 
     def __attrs_post_init__(self) -> None:
-        for key in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for key in (
+            "hidden_size",
+            "num_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} {value!r} is not an integer >= 1")
-        if self.q_lora_rank is not None and (isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int)
-                                             or self.q_lora_rank < 1):
+        if self.q_lora_rank is not None and (
+            isinstance(self.q_lora_rank, bool)
+            or not isinstance(self.q_lora_rank, int)
+            or self.q_lora_rank < 1
+        ):
             raise ValueError(f"q_lora_rank {self.q_lora_rank!r} is not null or an integer >= 1")
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} is not even (RoPE rotates pairs)")
+            raise ValueError(
+                f"qk_rope_head_dim {self.qk_rope_head_dim} is not even (RoPE rotates pairs)"
+            )
 
     @property
     def qk_head_dim(self) -> int:
@@ -129,7 +147,10 @@ def mla_config_from_hf(cfg: dict[str, Any]) -> tuple[MlaConfig, RopeParams]:
     """
     model_type = cfg.get("model_type")
     if model_type not in MLA_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} has no MLA attention (supported: {', '.join(MLA_MODEL_TYPES)})")
+        raise ValueError(
+            f"model_type {model_type!r} has no MLA attention "
+            f"(supported: {', '.join(MLA_MODEL_TYPES)})"
+        )
 
     def need(key: str) -> Any:
         if cfg.get(key) is None:
@@ -142,12 +163,19 @@ def mla_config_from_hf(cfg: dict[str, Any]) -> tuple[MlaConfig, RopeParams]:
     rope = rope_params_from_config(cfg)
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope.rope_type not in ("default", "yarn") and raw.get("mscale_all_dim"):
-        raise ValueError(f"mscale_all_dim with RoPE type {rope.rope_type!r} is not supported (supported: yarn)")
+        raise ValueError(
+            f"mscale_all_dim with RoPE type {rope.rope_type!r} is not supported (supported: yarn)"
+        )
     qk_head_dim = int(need("qk_nope_head_dim")) + int(need("qk_rope_head_dim"))
     mla = MlaConfig(
-        hidden_size=need("hidden_size"), num_heads=need("num_attention_heads"), q_lora_rank=cfg.get("q_lora_rank"),
-        kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"), rope_interleave=interleave,
+        hidden_size=need("hidden_size"),
+        num_heads=need("num_attention_heads"),
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"),
+        qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"),
+        rope_interleave=interleave,
         softmax_scale=deepseek_softmax_scale(qk_head_dim, rope),
     )
     return mla, rope
@@ -198,55 +226,98 @@ class MlaProjections:
     latent: torch.Tensor
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     return apply_rope_gptj(x, cos, sin) if interleave else apply_rope(x, cos, sin)
 
 
-def mla_project(x: torch.Tensor, w: MlaWeights, cfg: MlaConfig, cos: torch.Tensor, sin: torch.Tensor) -> MlaProjections:
+def mla_project(
+    x: torch.Tensor, w: MlaWeights, cfg: MlaConfig, cos: torch.Tensor, sin: torch.Tensor
+) -> MlaProjections:
     """Queries and latent rows of ``x`` f32 ``[T, K]`` (DeepSeek-V2 eqs. 9-14).
 
     ``cos``/``sin`` f32 ``[T, Dr / 2]`` at each token's position, from
     :func:`~zllm.domain.rope.rope_cos_sin` over ``rope_inv_freq(Dr, params)`` (YaRN's
     cos/sin factor included).
     """
-    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == cfg.hidden_size, (x.shape, x.dtype)
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == cfg.hidden_size, (
+        x.shape,
+        x.dtype,
+    )
     t, h = x.shape[0], cfg.num_heads
     if cfg.q_lora_rank is None:
-        assert w.q_proj is not None and w.q_a_proj is None, "q_lora_rank is null: q_proj, not q_a_proj"
+        assert w.q_proj is not None and w.q_a_proj is None, (
+            "q_lora_rank is null: q_proj, not q_a_proj"
+        )
         q = linear(x, w.q_proj, None)  # [T, H * (Dn + Dr)]
     else:
-        assert w.q_a_proj is not None and w.q_a_layernorm is not None and w.q_b_proj is not None and w.q_proj is None
-        q_a = rms_norm(linear(x, w.q_a_proj, w.q_a_proj_bias), w.q_a_layernorm, cfg.latent_norm_eps)  # [T, Rq]
+        assert (
+            w.q_a_proj is not None
+            and w.q_a_layernorm is not None
+            and w.q_b_proj is not None
+            and w.q_proj is None
+        )
+        q_a = rms_norm(
+            linear(x, w.q_a_proj, w.q_a_proj_bias), w.q_a_layernorm, cfg.latent_norm_eps
+        )  # [T, Rq]
         q = linear(q_a, w.q_b_proj, None)  # [T, H * (Dn + Dr)]
     q = q.view(t, h, cfg.qk_head_dim)
-    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]  # [T, H, Dn], [T, H, Dr]
+    q_nope, q_pe = (
+        q[..., : cfg.qk_nope_head_dim],
+        q[..., cfg.qk_nope_head_dim :],
+    )  # [T, H, Dn], [T, H, Dr]
     kv_a = linear(x, w.kv_a_proj_with_mqa, w.kv_a_proj_with_mqa_bias)  # [T, R + Dr]
-    c_kv = rms_norm(kv_a[:, : cfg.kv_lora_rank].contiguous(), w.kv_a_layernorm, cfg.latent_norm_eps)  # [T, R]
+    c_kv = rms_norm(
+        kv_a[:, : cfg.kv_lora_rank].contiguous(), w.kv_a_layernorm, cfg.latent_norm_eps
+    )  # [T, R]
     k_pe = kv_a[:, None, cfg.kv_lora_rank :]  # [T, 1, Dr]: one rope key for all heads
     q_pe = _rotate(q_pe.contiguous(), cos, sin, cfg.rope_interleave)
     k_pe = _rotate(k_pe.contiguous(), cos, sin, cfg.rope_interleave)[:, 0]  # [T, Dr]
-    return MlaProjections(q_nope.contiguous(), q_pe, torch.cat([c_kv, k_pe], dim=-1))  # latent [T, R + Dr]
+    return MlaProjections(
+        q_nope.contiguous(), q_pe, torch.cat([c_kv, k_pe], dim=-1)
+    )  # latent [T, R + Dr]
 
 
-def _split_kv_b(kv_b_proj: Weight, n_heads: int, nope_dim: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_kv_b(
+    kv_b_proj: Weight, n_heads: int, nope_dim: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(W_UK f32 [H, Dn, R], W_UV f32 [H, Dv, R])`` from ``kv_b_proj [H * (Dn + Dv), R]``."""
     kv_b = weight_to_f32(kv_b_proj)
     rows, cols = kv_b.shape
-    assert cols == rank and rows % n_heads == 0 and rows // n_heads > nope_dim, (kv_b.shape, n_heads, nope_dim, rank)
+    assert cols == rank and rows % n_heads == 0 and rows // n_heads > nope_dim, (
+        kv_b.shape,
+        n_heads,
+        nope_dim,
+        rank,
+    )
     kv_b = kv_b.view(n_heads, rows // n_heads, rank)  # [H, Dn + Dv, R]
     return kv_b[:, :nope_dim], kv_b[:, nope_dim:]
 
 
 def _check_forms(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor) -> None:
-    assert q_nope.dim() == 3 and q_pe.dim() == 3 and latent.dim() == 2, (q_nope.shape, q_pe.shape, latent.shape)
-    assert q_nope.dtype == q_pe.dtype == latent.dtype == torch.float32, (q_nope.dtype, q_pe.dtype, latent.dtype)
-    assert q_nope.shape[:2] == q_pe.shape[:2] and latent.shape[1] > q_pe.shape[2], (q_nope.shape, q_pe.shape, latent.shape)
+    assert q_nope.dim() == 3 and q_pe.dim() == 3 and latent.dim() == 2, (
+        q_nope.shape,
+        q_pe.shape,
+        latent.shape,
+    )
+    assert q_nope.dtype == q_pe.dtype == latent.dtype == torch.float32, (
+        q_nope.dtype,
+        q_pe.dtype,
+        latent.dtype,
+    )
+    assert q_nope.shape[:2] == q_pe.shape[:2] and latent.shape[1] > q_pe.shape[2], (
+        q_nope.shape,
+        q_pe.shape,
+        latent.shape,
+    )
     assert 0 < q_nope.shape[0] <= latent.shape[0], (q_nope.shape, latent.shape)
 
 
-def mla_expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b_proj: Weight,
-                           scale: float) -> torch.Tensor:
-    """MLA by rebuilding per-head K and V from the latent rows, then causal attention (prefill form).
+def mla_expanded_attention(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b_proj: Weight, scale: float
+) -> torch.Tensor:
+    """MLA by rebuilding per-head K and V from the latent rows, then causal attention (prefill).
 
     Args:
         q_nope: f32 ``[Q, H, Dn]``; q_pe: f32 ``[Q, H, Dr]`` (rotated).
@@ -262,14 +333,17 @@ def mla_expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
     rank = latent.shape[1] - rope_dim
     c_kv, k_pe = latent[:, :rank], latent[:, rank:]  # [L, R], [L, Dr]
     kv = linear(c_kv.contiguous(), kv_b_proj, None).view(n_ctx, h, -1)  # [L, H, Dn + Dv]
-    k = torch.cat([kv[..., :nope_dim], k_pe[:, None, :].expand(n_ctx, h, rope_dim)], dim=-1)  # [L, H, Dn + Dr]
+    k = torch.cat(
+        [kv[..., :nope_dim], k_pe[:, None, :].expand(n_ctx, h, rope_dim)], dim=-1
+    )  # [L, H, Dn + Dr]
     v = kv[..., nope_dim:]  # [L, H, Dv]
     return causal_softmax_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale)  # [Q, H, Dv]
 
 
-def mla_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b_proj: Weight,
-                           scale: float) -> torch.Tensor:
-    """MLA with ``W_UK`` absorbed into the query and ``W_UV`` applied after the latent sum (decode form).
+def mla_absorbed_attention(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b_proj: Weight, scale: float
+) -> torch.Tensor:
+    """MLA with ``W_UK`` absorbed into the query and ``W_UV`` after the latent sum (decode).
 
     Same arguments and result as :func:`mla_expanded_attention`:
     ``score_j = ((W_UK^T q_nope) · c_kv_j + q_pe · k_pe_j) · scale``,
@@ -278,32 +352,51 @@ def mla_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
     _check_forms(q_nope, q_pe, latent)
     n_q, n_ctx, rope_dim = q_nope.shape[0], latent.shape[0], q_pe.shape[2]
     rank = latent.shape[1] - rope_dim
-    w_uk, w_uv = _split_kv_b(kv_b_proj, q_nope.shape[1], q_nope.shape[2], rank)  # [H, Dn, R], [H, Dv, R]
+    w_uk, w_uv = _split_kv_b(
+        kv_b_proj, q_nope.shape[1], q_nope.shape[2], rank
+    )  # [H, Dn, R], [H, Dv, R]
     c_kv, k_pe = latent[:, :rank], latent[:, rank:]  # [L, R], [L, Dr]
     q_latent = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)  # [Q, H, R]
-    scores = (torch.einsum("qhr,lr->hql", q_latent, c_kv) + torch.einsum("qhd,ld->hql", q_pe, k_pe)) * scale  # [H, Q, L]
+    scores = (
+        torch.einsum("qhr,lr->hql", q_latent, c_kv) + torch.einsum("qhd,ld->hql", q_pe, k_pe)
+    ) * scale  # [H, Q, L]
     q_pos = torch.arange(n_ctx - n_q, n_ctx, device=latent.device)
-    allowed = torch.arange(n_ctx, device=latent.device)[None, :] <= q_pos[:, None]  # [Q, L], bottom-right causal
+    allowed = (
+        torch.arange(n_ctx, device=latent.device)[None, :] <= q_pos[:, None]
+    )  # [Q, L], bottom-right causal
     scores = scores.masked_fill(~allowed, float("-inf"))
-    scores = scores - scores.amax(dim=-1, keepdim=True)  # each query sees its own key, so the max is finite
+    scores = scores - scores.amax(
+        dim=-1, keepdim=True
+    )  # each query sees its own key, so the max is finite
     weights = scores.exp()
     weights = weights / weights.sum(dim=-1, keepdim=True)  # [H, Q, L]
     out_latent = torch.einsum("hql,lr->qhr", weights, c_kv)  # [Q, H, R]
     return torch.einsum("qhr,hvr->qhv", out_latent, w_uv)  # [Q, H, Dv]
 
 
-def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store rows ``latent`` f32 ``[T, W]`` into ``latent_cache [NB, BS, W]`` at ``slot_mapping`` int64 ``[T]`` (in place)."""
+def write_latent(
+    latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store rows ``latent`` f32 ``[T, W]`` into ``latent_cache [NB, BS, W]`` (in place) at
+    ``slot_mapping`` int64 ``[T]``."""
     nb, bs, width = latent_cache.shape
     assert latent.dim() == 2 and latent.shape[1] == width, (latent.shape, latent_cache.shape)
     assert slot_mapping.shape == (latent.shape[0],), (slot_mapping.shape, latent.shape)
-    assert latent.shape[0] == 0 or (0 <= int(slot_mapping.min()) and int(slot_mapping.max()) < nb * bs), "slot out of range"
+    assert latent.shape[0] == 0 or (
+        0 <= int(slot_mapping.min()) and int(slot_mapping.max()) < nb * bs
+    ), "slot out of range"
     latent_cache.view(nb * bs, width)[slot_mapping] = latent.to(latent_cache.dtype)
 
 
-def mla_paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor,
-                        kv_b_proj: Weight, meta: AttentionMetadata,
-                        form: Literal["expanded", "absorbed"] = "absorbed") -> torch.Tensor:
+def mla_paged_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_proj: Weight,
+    meta: AttentionMetadata,
+    form: Literal["expanded", "absorbed"] = "absorbed",
+) -> torch.Tensor:
     """Causal MLA for a flattened batch over a paged latent cache; see :class:`AttentionMetadata`.
 
     Writes ``latent`` at ``meta.slot_mapping`` first, then per sequence reads its
@@ -324,11 +417,17 @@ def mla_paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.
     """
     assert form in MLA_FORMS, form
     t = q_nope.shape[0]
-    assert latent.shape[0] == t and latent_cache.dim() == 3, (latent.shape, latent_cache.shape, q_nope.shape)
+    assert latent.shape[0] == t and latent_cache.dim() == 3, (
+        latent.shape,
+        latent_cache.shape,
+        q_nope.shape,
+    )
     n_seq = len(meta.query_lens)
     assert len(meta.context_lens) == n_seq and meta.block_tables.shape[0] == n_seq, meta
     assert sum(meta.query_lens) == t, (meta.query_lens, t)
-    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens, strict=True)), meta
+    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens, strict=True)), (
+        meta
+    )
 
     write_latent(latent, latent_cache, meta.slot_mapping)
     attend = mla_absorbed_attention if form == "absorbed" else mla_expanded_attention
@@ -336,15 +435,28 @@ def mla_paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.
     start = 0
     for s in range(n_seq):
         n_q, n_ctx = meta.query_lens[s], meta.context_lens[s]
-        rows = gather_context(latent_cache.unsqueeze(2), meta.block_tables[s], n_ctx)[:, 0]  # [L, W]
-        outs.append(attend(q_nope[start : start + n_q], q_pe[start : start + n_q], rows, kv_b_proj, meta.scale))
+        rows = gather_context(latent_cache.unsqueeze(2), meta.block_tables[s], n_ctx)[
+            :, 0
+        ]  # [L, W]
+        outs.append(
+            attend(
+                q_nope[start : start + n_q], q_pe[start : start + n_q], rows, kv_b_proj, meta.scale
+            )
+        )
         start += n_q
     return torch.cat(outs)  # [T, H, Dv]
 
 
-def mla_attention(x: torch.Tensor, w: MlaWeights, cfg: MlaConfig, cos: torch.Tensor, sin: torch.Tensor,
-                  latent_cache: torch.Tensor, meta: AttentionMetadata,
-                  form: Literal["expanded", "absorbed"] = "absorbed") -> torch.Tensor:
+def mla_attention(
+    x: torch.Tensor,
+    w: MlaWeights,
+    cfg: MlaConfig,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    form: Literal["expanded", "absorbed"] = "absorbed",
+) -> torch.Tensor:
     """One MLA layer: :func:`mla_project`, :func:`mla_paged_attention`, ``o_proj``.
 
     ``x`` f32 ``[T, K]``; ``cos``/``sin`` f32 ``[T, Dr / 2]``; ``latent_cache``
@@ -353,5 +465,9 @@ def mla_attention(x: torch.Tensor, w: MlaWeights, cfg: MlaConfig, cos: torch.Ten
     """
     assert meta.scale == cfg.softmax_scale, (meta.scale, cfg.softmax_scale)
     p = mla_project(x, w, cfg, cos, sin)
-    out = mla_paged_attention(p.q_nope, p.q_pe, p.latent, latent_cache, w.kv_b_proj, meta, form)  # [T, H, Dv]
-    return linear(out.reshape(x.shape[0], cfg.num_heads * cfg.v_head_dim), w.o_proj, w.o_proj_bias)  # [T, K]
+    out = mla_paged_attention(
+        p.q_nope, p.q_pe, p.latent, latent_cache, w.kv_b_proj, meta, form
+    )  # [T, H, Dv]
+    return linear(
+        out.reshape(x.shape[0], cfg.num_heads * cfg.v_head_dim), w.o_proj, w.o_proj_bias
+    )  # [T, K]

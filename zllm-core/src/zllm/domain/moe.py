@@ -113,27 +113,50 @@ class RouterConfig:
         n_group = _positive_int("n_group", self.n_group)
         topk_group = _positive_int("topk_group", self.topk_group)
         if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported (supported: {', '.join(SCORING_FUNCS)})")
+            raise ValueError(
+                f"scoring_func {self.scoring_func!r} is not supported "
+                f"(supported: {', '.join(SCORING_FUNCS)})"
+            )
         if self.topk_method not in TOPK_METHODS:
-            raise ValueError(f"topk_method {self.topk_method!r} is not supported (supported: {', '.join(TOPK_METHODS)})")
+            raise ValueError(
+                f"topk_method {self.topk_method!r} is not supported "
+                f"(supported: {', '.join(TOPK_METHODS)})"
+            )
         if k > n_experts:
-            raise ValueError(f"num_experts_per_tok {k} > {self.experts_key} {n_experts}: a token cannot pick more experts than exist")
-        if not (isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
-                and self.routed_scaling_factor > 0):
-            raise ValueError(f"routed_scaling_factor {self.routed_scaling_factor!r} is not a finite number > 0")
+            raise ValueError(
+                f"num_experts_per_tok {k} > {self.experts_key} {n_experts}: "
+                "a token cannot pick more experts than exist"
+            )
+        if not (
+            isinstance(self.routed_scaling_factor, (int, float))
+            and math.isfinite(self.routed_scaling_factor)
+            and self.routed_scaling_factor > 0
+        ):
+            raise ValueError(
+                f"routed_scaling_factor {self.routed_scaling_factor!r} is not a finite number > 0"
+            )
         if self.topk_method == "greedy":
             return
         if n_experts % n_group:
-            raise ValueError(f"{self.experts_key} {n_experts} is not divisible into n_group {n_group} groups")
+            raise ValueError(
+                f"{self.experts_key} {n_experts} is not divisible into n_group {n_group} groups"
+            )
         if topk_group > n_group:
-            raise ValueError(f"topk_group {topk_group} > n_group {n_group}: cannot keep more groups than exist")
+            raise ValueError(
+                f"topk_group {topk_group} > n_group {n_group}: cannot keep more groups than exist"
+            )
         per_group = n_experts // n_group
         if k > topk_group * per_group:
-            raise ValueError(f"num_experts_per_tok {k} > the {topk_group * per_group} experts that topk_group "
-                             f"{topk_group} groups of {per_group} hold")
+            raise ValueError(
+                f"num_experts_per_tok {k} > the {topk_group * per_group} experts that topk_group "
+                f"{topk_group} groups of {per_group} hold"
+            )
         if self.topk_method == "noaux_tc" and per_group < 2:
-            raise ValueError(f"topk_method 'noaux_tc' scores a group by its top-2 experts, but n_group {n_group} "
-                             f"leaves {per_group} expert per group")
+            raise ValueError(
+                "topk_method 'noaux_tc' scores a group by its top-2 experts, "
+                f"but n_group {n_group} "
+                f"leaves {per_group} expert per group"
+            )
 
 
 @attrs.frozen(eq=False)
@@ -150,26 +173,33 @@ class RouterOutput:
 
 
 def _topk_lowest_index(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices int64 ``[T, k]`` of the ``k`` largest of f32 ``values [T, n]``; ties: lowest index first."""
+    """Indices int64 ``[T, k]`` of the ``k`` largest ``values [T, n]``, ties lowest index first."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 def _mask_groups(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
-    """``choice [T, E]`` with every expert outside the ``topk_group`` best groups set to ``-inf``."""
+    """``choice [T, E]`` with the experts outside the ``topk_group`` best groups at ``-inf``."""
     t, n_experts = choice.shape
     per_group = n_experts // cfg.n_group
     grouped = choice.view(t, cfg.n_group, per_group)  # [T, G, E/G]
     if cfg.topk_method == "group_limited_greedy":
         group_scores = grouped.amax(dim=-1)  # [T, G]
     else:  # noaux_tc
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]; values only, so ties do not matter
+        group_scores = grouped.topk(2, dim=-1).values.sum(
+            dim=-1
+        )  # [T, G]; values only, so ties do not matter
     kept = _topk_lowest_index(group_scores, cfg.topk_group)  # [T, topk_group]
-    keep = torch.zeros(t, cfg.n_group, dtype=torch.bool, device=choice.device).scatter_(1, kept, True)  # [T, G]
+    keep = torch.zeros(t, cfg.n_group, dtype=torch.bool, device=choice.device).scatter_(
+        1, kept, True
+    )  # [T, G]
     return choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))  # [T, E]
 
 
-def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
-                   e_score_correction_bias: torch.Tensor | None = None) -> RouterOutput:
+def select_experts(
+    router_logits: torch.Tensor,
+    cfg: RouterConfig,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> RouterOutput:
     """Route each token from its router logits (see the module docstring for every variant).
 
     Args:
@@ -179,9 +209,12 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
             added to the scores for the choice only; None for every other method.
 
     Returns:
-        :class:`RouterOutput` with ``topk_ids`` int64 ``[T, k]`` and ``topk_weights`` f32 ``[T, k]``.
+        :class:`RouterOutput`: ``topk_ids`` int64 ``[T, k]``, ``topk_weights`` f32 ``[T, k]``.
     """
-    assert router_logits.dim() == 2 and router_logits.dtype == torch.float32, (router_logits.shape, router_logits.dtype)
+    assert router_logits.dim() == 2 and router_logits.dtype == torch.float32, (
+        router_logits.shape,
+        router_logits.dtype,
+    )
     assert router_logits.shape[1] == cfg.num_experts, (router_logits.shape, cfg.num_experts)
     assert bool(torch.isfinite(router_logits).all()), "router logits are not finite"
     assert (e_score_correction_bias is not None) == (cfg.topk_method == "noaux_tc"), cfg.topk_method
@@ -203,14 +236,22 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     return RouterOutput(topk_ids, topk_weights * cfg.routed_scaling_factor)
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, cfg: RouterConfig,
-          e_score_correction_bias: torch.Tensor | None = None) -> RouterOutput:
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    cfg: RouterConfig,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> RouterOutput:
     """Router logits ``x @ gate_weight^T`` in f32, then :func:`select_experts`.
 
     ``x`` f32 ``[T, K]``; ``gate_weight`` ``[E, K]`` (HF ``mlp.gate.weight``, GGUF
     ``ffn_gate_inp``; any float dtype, upcast to f32 as transformers' DeepSeek routers do).
     """
-    assert tuple(gate_weight.shape) == (cfg.num_experts, x.shape[1]), (gate_weight.shape, x.shape, cfg.num_experts)
+    assert tuple(gate_weight.shape) == (cfg.num_experts, x.shape[1]), (
+        gate_weight.shape,
+        x.shape,
+        cfg.num_experts,
+    )
     return select_experts(linear(x, gate_weight.float(), None), cfg, e_score_correction_bias)
 
 
@@ -228,14 +269,20 @@ class ExpertStack(Protocol):
     def __getitem__(self, expert: int) -> torch.Tensor | QuantizedTensor: ...
 
 
-def swiglu_ffn(x: torch.Tensor, gate_proj: torch.Tensor | QuantizedTensor, up_proj: torch.Tensor | QuantizedTensor,
-               down_proj: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+def swiglu_ffn(
+    x: torch.Tensor,
+    gate_proj: torch.Tensor | QuantizedTensor,
+    up_proj: torch.Tensor | QuantizedTensor,
+    down_proj: torch.Tensor | QuantizedTensor,
+) -> torch.Tensor:
     """``down_proj(silu(gate_proj x) * up_proj x)`` (Shazeer 2020; HF ``LlamaMLP``).
 
     ``x`` f32 ``[T, K]``; ``gate_proj``, ``up_proj`` ``[N, K]``; ``down_proj`` ``[K, N]``
     (dense or quantized) -> f32 ``[T, K]``.
     """
-    return linear(silu_mul(linear(x, gate_proj, None), linear(x, up_proj, None)), down_proj, None)  # [T, K]
+    return linear(
+        silu_mul(linear(x, gate_proj, None), linear(x, up_proj, None)), down_proj, None
+    )  # [T, K]
 
 
 @attrs.frozen(eq=False)
@@ -263,12 +310,22 @@ class SharedExperts:
         y = swiglu_ffn(x, self.gate_proj, self.up_proj, self.down_proj)  # [T, K]
         if self.shared_expert_gate is None:
             return y
-        assert tuple(self.shared_expert_gate.shape) == (1, x.shape[1]), self.shared_expert_gate.shape
-        return torch.sigmoid(linear(x, self.shared_expert_gate.float(), None)) * y  # [T, 1] * [T, K]
+        assert tuple(self.shared_expert_gate.shape) == (1, x.shape[1]), (
+            self.shared_expert_gate.shape
+        )
+        return (
+            torch.sigmoid(linear(x, self.shared_expert_gate.float(), None)) * y
+        )  # [T, 1] * [T, K]
 
 
-def moe_ffn(x: torch.Tensor, routing: RouterOutput, gate_exps: ExpertStack, up_exps: ExpertStack,
-            down_exps: ExpertStack, shared: SharedExperts | None = None) -> torch.Tensor:
+def moe_ffn(
+    x: torch.Tensor,
+    routing: RouterOutput,
+    gate_exps: ExpertStack,
+    up_exps: ExpertStack,
+    down_exps: ExpertStack,
+    shared: SharedExperts | None = None,
+) -> torch.Tensor:
     """Weighted sum of each token's selected experts' SwiGLU FFNs, plus the shared experts.
 
     ``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]) + shared(x[t])``, each
@@ -290,15 +347,30 @@ def moe_ffn(x: torch.Tensor, routing: RouterOutput, gate_exps: ExpertStack, up_e
     assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)
     t, hidden = x.shape
     ids, weights = routing.topk_ids, routing.topk_weights
-    assert ids.dim() == 2 and ids.shape[0] == t and weights.shape == ids.shape, (ids.shape, weights.shape, x.shape)
+    assert ids.dim() == 2 and ids.shape[0] == t and weights.shape == ids.shape, (
+        ids.shape,
+        weights.shape,
+        x.shape,
+    )
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32, (ids.dtype, weights.dtype)
     n_experts, n_inter, k_in = gate_exps.shape
-    assert k_in == hidden and tuple(up_exps.shape) == (n_experts, n_inter, hidden), (gate_exps.shape, up_exps.shape)
-    assert tuple(down_exps.shape) == (n_experts, hidden, n_inter), (down_exps.shape, gate_exps.shape)
-    assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < n_experts), ("expert id out of range", n_experts)
+    assert k_in == hidden and tuple(up_exps.shape) == (n_experts, n_inter, hidden), (
+        gate_exps.shape,
+        up_exps.shape,
+    )
+    assert tuple(down_exps.shape) == (n_experts, hidden, n_inter), (
+        down_exps.shape,
+        gate_exps.shape,
+    )
+    assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < n_experts), (
+        "expert id out of range",
+        n_experts,
+    )
     out = torch.zeros_like(x)  # [T, K]
     for expert in torch.unique(ids).tolist():
-        rows, slots = torch.where(ids == expert)  # tokens routed to this expert, and where in their top-k
+        rows, slots = torch.where(
+            ids == expert
+        )  # tokens routed to this expert, and where in their top-k
         y = swiglu_ffn(x[rows], gate_exps[expert], up_exps[expert], down_exps[expert])  # [n, K]
         out.index_add_(0, rows, y * weights[rows, slots, None])
     if shared is not None:
@@ -323,7 +395,9 @@ def router_config_from_hf(cfg: dict[str, Any]) -> RouterConfig:
     """
     model_type = cfg.get("model_type")
     if model_type not in MOE_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} has no MoE router (supported: {', '.join(MOE_MODEL_TYPES)})")
+        raise ValueError(
+            f"model_type {model_type!r} has no MoE router (supported: {', '.join(MOE_MODEL_TYPES)})"
+        )
 
     def need(key: str) -> Any:
         if cfg.get(key) is None:
@@ -343,33 +417,66 @@ def router_config_from_hf(cfg: dict[str, Any]) -> RouterConfig:
         return float(value)
 
     if model_type == "mixtral":
-        return RouterConfig(need("num_local_experts"), need("num_experts_per_tok"), norm_topk_prob=True,
-                            experts_key="num_local_experts")
+        return RouterConfig(
+            need("num_local_experts"),
+            need("num_experts_per_tok"),
+            norm_topk_prob=True,
+            experts_key="num_local_experts",
+        )
     if model_type in ("qwen2_moe", "qwen3_moe"):
         # Released Qwen3-MoE files say num_experts; transformers 5 saves it as num_local_experts.
-        key = "num_local_experts" if cfg.get("num_experts") is None and "num_local_experts" in cfg else "num_experts"
-        return RouterConfig(need(key), need("num_experts_per_tok"), norm_topk_prob=flag("norm_topk_prob", False),
-                            experts_key=key)
-    common: dict[str, Any] = dict(experts_key="n_routed_experts",
-                                  routed_scaling_factor=number("routed_scaling_factor", 1.0 if model_type == "deepseek_v2" else 2.5))
+        key = (
+            "num_local_experts"
+            if cfg.get("num_experts") is None and "num_local_experts" in cfg
+            else "num_experts"
+        )
+        return RouterConfig(
+            need(key),
+            need("num_experts_per_tok"),
+            norm_topk_prob=flag("norm_topk_prob", False),
+            experts_key=key,
+        )
+    common: dict[str, Any] = dict(
+        experts_key="n_routed_experts",
+        routed_scaling_factor=number(
+            "routed_scaling_factor", 1.0 if model_type == "deepseek_v2" else 2.5
+        ),
+    )
     if model_type == "deepseek_v2":
         method = cfg.get("topk_method", "greedy")
         if method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"topk_method {method!r} is not supported for deepseek_v2 (supported: greedy, group_limited_greedy)")
+            raise ValueError(
+                f"topk_method {method!r} is not supported for deepseek_v2 "
+                "(supported: greedy, group_limited_greedy)"
+            )
         grouped = method == "group_limited_greedy"
-        return RouterConfig(need("n_routed_experts"), need("num_experts_per_tok"), topk_method=method,
-                            n_group=need("n_group") if grouped else 1, topk_group=need("topk_group") if grouped else 1,
-                            **common)
+        return RouterConfig(
+            need("n_routed_experts"),
+            need("num_experts_per_tok"),
+            topk_method=method,
+            n_group=need("n_group") if grouped else 1,
+            topk_group=need("topk_group") if grouped else 1,
+            **common,
+        )
     for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if cfg.get(key, value) != value:
-            raise ValueError(f"{key} {cfg[key]!r} is not supported for deepseek_v3 (supported: {value!r})")
-    return RouterConfig(need("n_routed_experts"), cfg.get("num_experts_per_tok", 8), scoring_func="sigmoid",
-                        topk_method="noaux_tc", n_group=cfg.get("n_group", 8), topk_group=cfg.get("topk_group", 4),
-                        norm_topk_prob=flag("norm_topk_prob", True), **common)
+            raise ValueError(
+                f"{key} {cfg[key]!r} is not supported for deepseek_v3 (supported: {value!r})"
+            )
+    return RouterConfig(
+        need("n_routed_experts"),
+        cfg.get("num_experts_per_tok", 8),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=cfg.get("n_group", 8),
+        topk_group=cfg.get("topk_group", 4),
+        norm_topk_prob=flag("norm_topk_prob", True),
+        **common,
+    )
 
 
 def is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
-    """Whether decoder layer ``layer`` (0-based) of an HF MoE config has a MoE FFN (else a dense one).
+    """Whether decoder layer ``layer`` (0-based) of an HF MoE config has a MoE FFN, not a dense one.
 
     As transformers 5's decoder layers decide: Mixtral every layer; Qwen2-MoE / Qwen3-MoE
     when ``layer`` is not in ``mlp_only_layers``, ``num_experts > 0`` and
@@ -396,4 +503,6 @@ def is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
         if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
             raise ValueError(f"first_k_dense_replace {first_dense!r} is not an integer >= 0")
         return layer >= first_dense
-    raise ValueError(f"model_type {model_type!r} has no MoE layers (supported: {', '.join(MOE_MODEL_TYPES)})")
+    raise ValueError(
+        f"model_type {model_type!r} has no MoE layers (supported: {', '.join(MOE_MODEL_TYPES)})"
+    )
