@@ -560,6 +560,16 @@ def test_dense_and_moe_layers_are_where_transformers_puts_them(
             "norm_topk_prob 'yes' is not true or false",
         ),
         ({"model_type": "llama"}, "model_type 'llama' has no MoE router"),
+        (
+            {
+                "model_type": "deepseek_v2",
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "n_group": 2,
+                "topk_group": 4,
+            },
+            "topk_group 4 > n_group 2",
+        ),
     ],
 )
 def test_contradictory_router_settings_raise_naming_the_key(cfg, message):

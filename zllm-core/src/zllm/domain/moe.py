@@ -135,15 +135,15 @@ class RouterConfig:
             raise ValueError(
                 f"routed_scaling_factor {self.routed_scaling_factor!r} is not a finite number > 0"
             )
+        if topk_group > n_group:
+            raise ValueError(
+                f"topk_group {topk_group} > n_group {n_group}: cannot keep more groups than exist"
+            )
         if self.topk_method == "greedy":
             return
         if n_experts % n_group:
             raise ValueError(
                 f"{self.experts_key} {n_experts} is not divisible into n_group {n_group} groups"
-            )
-        if topk_group > n_group:
-            raise ValueError(
-                f"topk_group {topk_group} > n_group {n_group}: cannot keep more groups than exist"
             )
         per_group = n_experts // n_group
         if k > topk_group * per_group:
@@ -154,8 +154,7 @@ class RouterConfig:
         if self.topk_method == "noaux_tc" and per_group < 2:
             raise ValueError(
                 "topk_method 'noaux_tc' scores a group by its top-2 experts, "
-                f"but n_group {n_group} "
-                f"leaves {per_group} expert per group"
+                f"but n_group {n_group} leaves {per_group} expert per group"
             )
 
 
@@ -454,8 +453,9 @@ def router_config_from_hf(cfg: dict[str, Any]) -> RouterConfig:
             need("n_routed_experts"),
             need("num_experts_per_tok"),
             topk_method=method,
-            n_group=need("n_group") if grouped else 1,
-            topk_group=need("topk_group") if grouped else 1,
+            # transformers writes null groups for greedy routers; the grouped method needs them
+            n_group=need("n_group") if grouped else cfg.get("n_group") or 1,
+            topk_group=need("topk_group") if grouped else cfg.get("topk_group") or 1,
             **common,
         )
     for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
