@@ -5,6 +5,7 @@ transformers' cache, and the expanded form vs the absorbed one over paged latent
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ YARN = {
     "beta_fast": 32.0,
     "beta_slow": 1.0,
 }
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v2-q_proj": ("deepseek_v2", dict(q_lora_rank=None)),
     "v2-q_lora-yarn": (
         "deepseek_v2",

@@ -4,6 +4,8 @@ against transformers 5's own MoE blocks built from tiny random configs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import transformers
@@ -84,7 +86,7 @@ def naive_selection(
     per_group = cfg.num_experts // cfg.n_group
     picked = []
     for row in choice.tolist():
-        allowed = range(cfg.num_experts)
+        allowed: list[int] = list(range(cfg.num_experts))
         if cfg.topk_method != "greedy":
             tops = [
                 sorted(row[g * per_group : (g + 1) * per_group], reverse=True)
@@ -171,7 +173,7 @@ def test_moe_reads_experts_through_their_slices_only():
 
     class Recording:
         def __init__(self, w: torch.Tensor) -> None:
-            self.w, self.shape, self.read = w, tuple(w.shape), set()
+            self.w, self.shape, self.read = w, tuple(w.shape), set[int]()
 
         def __getitem__(self, e: int) -> torch.Tensor:
             self.read.add(e)
@@ -372,7 +374,7 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
 
 
-def _ours(block: torch.nn.Module, hf_config, x: torch.Tensor):
+def _ours(block: Any, hf_config, x: torch.Tensor):
     """zllm's routing and MoE output from the block's weights and the config transformers writes."""
     cfg = router_config_from_hf(hf_config.to_dict())
     bias = getattr(block.gate, "e_score_correction_bias", None)
