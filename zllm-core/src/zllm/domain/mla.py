@@ -235,7 +235,7 @@ def _rotate(
 def mla_project(
     x: torch.Tensor, w: MlaWeights, cfg: MlaConfig, cos: torch.Tensor, sin: torch.Tensor
 ) -> MlaProjections:
-    """Queries and latent rows of ``x`` f32 ``[T, K]`` (DeepSeek-V2 eqs. 9-14).
+    """Queries and latent rows of ``x`` f32 ``[T, K]`` (DeepSeek-V2 §2.1.2-2.1.3).
 
     ``cos``/``sin`` f32 ``[T, Dr / 2]`` at each token's position, from
     :func:`~zllm.domain.rope.rope_cos_sin` over ``rope_inv_freq(Dr, params)`` (YaRN's
