@@ -197,6 +197,24 @@ def _yarn_inv_freq(dim: int, p: RopeParams) -> tuple[torch.Tensor, float]:
     return inv_freq, attention_factor
 
 
+def deepseek_softmax_scale(qk_head_dim: int, p: RopeParams) -> float:
+    """The attention softmax scale of DeepSeek-V2/V3 MLA: ``qk_head_dim ** -0.5 · m²``.
+
+    ``m = 0.1 · mscale_all_dim · ln(factor) + 1`` under YaRN with ``mscale_all_dim`` set
+    (``factor > 1``), else 1 — DeepSeek's ``yarn_get_mscale`` applied to the softmax scale
+    (DeepSeek-V2 reference code, ``DeepseekV2Attention.__init__``; transformers 5
+    ``yarn_apply_mscale``). It multiplies every score, the rotated and the unrotated part
+    alike; the cos/sin factor ``mscale / mscale_all_dim`` that :func:`rope_inv_freq` returns
+    is separate. ``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``.
+    """
+    assert qk_head_dim > 0, qk_head_dim
+    scale = qk_head_dim ** (-0.5)
+    if p.rope_type == "yarn" and p.mscale_all_dim:
+        mscale = _yarn_mscale(p.factor, p.mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
+
+
 def _llama3_inv_freq(dim: int, p: RopeParams) -> torch.Tensor:
     """HF ``_compute_llama3_parameters``, in its order of f32 operations."""
     inv_freq = 1.0 / (p.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D2]
