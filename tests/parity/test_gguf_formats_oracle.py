@@ -1,10 +1,10 @@
 """Quantized and 16-bit GGUF files against their oracle: the f32 reference on weights
 decoded by the `gguf` package.
 
-zllm keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights quantized and BF16 weights in bf16, decoding inside the CPU
-kernels; the oracle runs every op through the core's f32 references on an f32 checkpoint
-whose weights were decoded with ``gguf.quants.dequantize``. Greedy tokens must agree over
-64 tokens and prompt logits within 1e-3 (both sides compute in f32 from the same decoded
+zllm keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights quantized and BF16 weights in bf16, decoding
+inside the CPU kernels; the oracle runs every op through the core's f32 references on an f32
+checkpoint whose weights were decoded with ``gguf.quants.dequantize``. Greedy tokens must
+agree over 64 tokens and prompt logits within 1e-3 (both sides compute in f32 from the same decoded
 values; only summation order differs). The Q8_0 file ships with the model; the Q4_0, Q4_1,
 Q5_0, Q5_1 and BF16 files are written from the F32 file by the `gguf` package's quantizer
 (llama.cpp's reference quantizer) and writer. As in llama.cpp's quantizer, weights whose rows

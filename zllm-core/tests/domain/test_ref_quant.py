@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pytest
-
-from zllm.domain.quant import (dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1,
-                               dequantize_q8_0)
+from zllm.domain.quant import (
+    dequantize,
+    dequantize_q4_0,
+    dequantize_q4_1,
+    dequantize_q5_0,
+    dequantize_q5_1,
+    dequantize_q8_0,
+)
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 
 BLOCKS_32 = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]

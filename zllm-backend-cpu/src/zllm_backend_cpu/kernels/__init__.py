@@ -27,8 +27,10 @@ from zllm.plugin_api import Capability
 
 _PKG = "zllm_backend_cpu.kernels"
 
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # decoders in .linear / .kquants
-GEMV_FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # native: one zllm_gemv_<format> each
+# decoders in .linear / .kquants
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+# native GEMV (.gemv): one zllm_gemv_<format> each
+GEMV_FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("embedding", ("f32", "f16", "bf16"), f"{_PKG}.linear:embedding_dense"),

@@ -61,9 +61,10 @@ def decode_q4_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None
 
 
 def _quants_32(blocks: torch.Tensor, qs_at: int, qh_at: int | None) -> torch.Tensor:
-    """The unsigned quants of 32-weight blocks uint8 ``[R, NBK, type_size]`` -> uint8 ``[R, NBK, 32]``:
-    nibbles of the 16 bytes at ``qs_at`` (low nibbles = weights 0..15, high = 16..31), and bit 4
-    from the little-endian uint32 at ``qh_at`` (bit ``i`` = weight ``i``; q5_0/q5_1) when given."""
+    """The unsigned quants of 32-weight blocks, uint8 ``[R, NBK, type_size]`` -> uint8
+    ``[R, NBK, 32]``: nibbles of the 16 bytes at ``qs_at`` (low nibbles = weights 0..15, high =
+    16..31), and bit 4 from the little-endian uint32 at ``qh_at`` (bit ``i`` = weight ``i``;
+    q5_0/q5_1) when given."""
     r, nbk, _ = blocks.shape
     qs = blocks[..., qs_at:qs_at + 16]  # [R, NBK, 16]
     q = torch.empty(r, nbk, QK, dtype=torch.uint8)  # [R, NBK, 32]
@@ -94,19 +95,22 @@ def _scaled(q: torch.Tensor, blocks: torch.Tensor, offset: float, with_min: bool
 
 
 def decode_q4_1_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode q4_1 bytes uint8 ``[R, NBK * 20]`` to f32 ``[R, K]`` (``w = d * nibble + m``), into ``out`` if given."""
+    """Decode q4_1 bytes uint8 ``[R, NBK * 20]`` to f32 ``[R, K]`` (``w = d * nibble + m``), into
+    ``out`` if given."""
     blocks = data.view(data.shape[0], k // QK, 20)  # [R, NBK, 20]
     return _scaled(_quants_32(blocks, 4, None), blocks, 0.0, True, k, out)
 
 
 def decode_q5_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode q5_0 bytes uint8 ``[R, NBK * 22]`` to f32 ``[R, K]`` (``w = d * (q - 16)``), into ``out`` if given."""
+    """Decode q5_0 bytes uint8 ``[R, NBK * 22]`` to f32 ``[R, K]`` (``w = d * (q - 16)``), into
+    ``out`` if given."""
     blocks = data.view(data.shape[0], k // QK, 22)  # [R, NBK, 22]
     return _scaled(_quants_32(blocks, 6, 2), blocks, 16.0, False, k, out)
 
 
 def decode_q5_1_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode q5_1 bytes uint8 ``[R, NBK * 24]`` to f32 ``[R, K]`` (``w = d * q + m``), into ``out`` if given."""
+    """Decode q5_1 bytes uint8 ``[R, NBK * 24]`` to f32 ``[R, K]`` (``w = d * q + m``), into
+    ``out`` if given."""
     blocks = data.view(data.shape[0], k // QK, 24)  # [R, NBK, 24]
     return _scaled(_quants_32(blocks, 8, 4), blocks, 0.0, True, k, out)
 

@@ -128,8 +128,9 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _high_bits_q5(qh: torch.Tensor) -> torch.Tensor:
-    """The 4 ``qh`` bytes of a q5_0/q5_1 block, uint8 ``[..., 4]`` (one little-endian uint32) ->
-    bit 4 of each weight's ``q``, uint8 ``[..., 32]`` in ``{0, 16}``: bit ``i`` is weight ``i``'s."""
+    """The 4 ``qh`` bytes of a q5_0/q5_1 block, uint8 ``[..., 4]`` (one little-endian uint32)
+    -> bit 4 of each weight's ``q``, uint8 ``[..., 32]`` in ``{0, 16}``; bit ``i`` is weight
+    ``i``'s."""
     bits = _bits(qh, tuple(range(8)), 0x01)  # [..., 8, 4]: bit b of byte j is weight 8j + b
     return bits.transpose(-1, -2).flatten(-2) << 4  # [..., 32]
 
@@ -169,12 +170,13 @@ def dequantize_q5_1(w: QuantizedTensor) -> torch.Tensor:
     assert w.fmt == "q5_1", w.fmt
     blocks = _blocks(w)  # [R, NBK, 24]
     d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [R, NBK, 1] each
-    q = (_nibbles(blocks[..., 8:]) | _high_bits_q5(blocks[..., 4:8])).float()  # [R, NBK, 32] in [0, 31]
+    q = _nibbles(blocks[..., 8:]) | _high_bits_q5(blocks[..., 4:8])  # [R, NBK, 32] in [0, 31]
+    q = q.float()
     return (d * q + m).reshape(w.shape)  # two roundings, as q4_1
 
 
 def dequantize_q2_k(w: QuantizedTensor) -> torch.Tensor:
-    """Dequantize a ``q2_k`` tensor to f32 of its shape (``[R, C]`` or ``[E, R, C]``) (ggml ``dequantize_row_q2_K``).
+    """Dequantize a ``q2_k`` tensor to f32 of its shape (ggml ``dequantize_row_q2_K``).
 
     Raises:
         AssertionError: ``w`` is not ``q2_k``.
@@ -193,7 +195,7 @@ def dequantize_q2_k(w: QuantizedTensor) -> torch.Tensor:
 
 
 def dequantize_q3_k(w: QuantizedTensor) -> torch.Tensor:
-    """Dequantize a ``q3_k`` tensor to f32 of its shape (``[R, C]`` or ``[E, R, C]``) (ggml ``dequantize_row_q3_K``).
+    """Dequantize a ``q3_k`` tensor to f32 of its shape (ggml ``dequantize_row_q3_K``).
 
     Raises:
         AssertionError: ``w`` is not ``q3_k``.
@@ -221,7 +223,7 @@ def _dequantize_q4_k_like(w: QuantizedTensor, q: torch.Tensor, head: torch.Tenso
 
 
 def dequantize_q4_k(w: QuantizedTensor) -> torch.Tensor:
-    """Dequantize a ``q4_k`` tensor to f32 of its shape (``[R, C]`` or ``[E, R, C]``) (ggml ``dequantize_row_q4_K``).
+    """Dequantize a ``q4_k`` tensor to f32 of its shape (ggml ``dequantize_row_q4_K``).
 
     Raises:
         AssertionError: ``w`` is not ``q4_k``.
@@ -235,7 +237,7 @@ def dequantize_q4_k(w: QuantizedTensor) -> torch.Tensor:
 
 
 def dequantize_q5_k(w: QuantizedTensor) -> torch.Tensor:
-    """Dequantize a ``q5_k`` tensor to f32 of its shape (``[R, C]`` or ``[E, R, C]``) (ggml ``dequantize_row_q5_K``).
+    """Dequantize a ``q5_k`` tensor to f32 of its shape (ggml ``dequantize_row_q5_K``).
 
     Raises:
         AssertionError: ``w`` is not ``q5_k``.
@@ -250,7 +252,7 @@ def dequantize_q5_k(w: QuantizedTensor) -> torch.Tensor:
 
 
 def dequantize_q6_k(w: QuantizedTensor) -> torch.Tensor:
-    """Dequantize a ``q6_k`` tensor to f32 of its shape (``[R, C]`` or ``[E, R, C]``) (ggml ``dequantize_row_q6_K``).
+    """Dequantize a ``q6_k`` tensor to f32 of its shape (ggml ``dequantize_row_q6_K``).
 
     Raises:
         AssertionError: ``w`` is not ``q6_k``.

@@ -2,8 +2,8 @@
 
 A *format* is the storage of one weight tensor: a dense torch dtype (``f32``, ``f16``,
 ``bf16``) or a GGUF block-quantized layout (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``,
-the k-quants ``q2_k`` … ``q6_k``). Block layouts follow ggml (``ggml/src/ggml-common.h``); all multi-byte fields
-are little endian:
+the k-quants ``q2_k`` … ``q6_k``). Block layouts follow ggml (``ggml/src/ggml-common.h``);
+all multi-byte fields are little endian:
 
 - ``q8_0``: 32 weights per block, 34 bytes = f16 scale ``d`` + 32 x int8 ``qs``;
   ``w[i] = d * qs[i]``.
@@ -141,18 +141,21 @@ class QuantizedTensor:
 
     def __getitem__(self, index: int) -> "QuantizedTensor":
         """Slice ``index`` of the first dimension (expert ``e`` of ``[E, N, K]`` -> ``[N, K]``),
-        sharing ``data``. Only N-D (N >= 3) tensors slice: a 2-D weight's rows come from :meth:`rows`.
+        sharing ``data``. Only N-D (N >= 3) tensors slice; a 2-D weight's rows come from
+        :meth:`rows`.
 
         Raises:
             IndexError: ``index`` is outside ``[-shape[0], shape[0])``.
         """
         assert len(self.shape) >= 3 and isinstance(index, int), (self.shape, index)
         if not -self.shape[0] <= index < self.shape[0]:
-            raise IndexError(f"index {index} out of range for the first dimension of {list(self.shape)}")
+            raise IndexError(f"index {index} out of range for the first dimension of "
+                             f"{list(self.shape)}")
         return QuantizedTensor(self.data[index], self.fmt, self.shape[1:])
 
     def rows(self, index: torch.Tensor) -> "QuantizedTensor":
-        """The rows ``index`` (int64 ``[n]``) of a 2-D tensor as a new quantized tensor of shape ``(n, cols)``."""
+        """The rows ``index`` (int64 ``[n]``) of a 2-D tensor as a new quantized tensor of
+        shape ``(n, cols)``."""
         assert len(self.shape) == 2, self.shape
         return QuantizedTensor(self.data[index], self.fmt, (int(index.numel()), self.shape[1]))
 
