@@ -1,5 +1,5 @@
 """Write GGUF variants of the shipped stories260K file with the `gguf` package's own writer
-and quantizer, for formats no shipped file covers (Q4_0, BF16)."""
+and quantizer, for formats no shipped file covers (Q4_0, Q4_1, Q5_0, Q5_1, BF16)."""
 
 from __future__ import annotations
 

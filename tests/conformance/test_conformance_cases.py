@@ -69,7 +69,7 @@ def test_sliding_cases_free_blocks_before_the_window():
     assert any(c.args[6] < c.args[3].shape[1] for c in cases)  # window shorter than a block
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q2_k", "q6_k", "bf16"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q6_k", "bf16"])
 def test_weight_cases_store_weights_in_the_variants_format(fmt):
     from zllm.weights.formats import format_of
 

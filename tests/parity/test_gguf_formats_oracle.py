@@ -1,12 +1,14 @@
 """Quantized and 16-bit GGUF files against their oracle: the f32 reference on weights
 decoded by the `gguf` package.
 
-zllm keeps Q8_0/Q4_0 weights quantized and BF16 weights in bf16, decoding inside the CPU
-kernels; the oracle runs every op through the core's f32 references on an f32 checkpoint
-whose weights were decoded with ``gguf.quants.dequantize``. Greedy tokens must agree over
-64 tokens and prompt logits within 1e-3 (both sides compute in f32 from the same decoded
-values; only summation order differs). The Q8_0 file ships with the model; Q4_0 and BF16
-files are written from the F32 file by the `gguf` package's quantizer and writer.
+zllm keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights quantized and BF16 weights in bf16, decoding
+inside the CPU kernels; the oracle runs every op through the core's f32 references on an f32
+checkpoint whose weights were decoded with ``gguf.quants.dequantize``. Greedy tokens must
+agree over 64 tokens and prompt logits within 1e-3 (both sides compute in f32 from the same decoded
+values; only summation order differs). The Q8_0 file ships with the model; the Q4_0, Q4_1,
+Q5_0, Q5_1 and BF16 files are written from the F32 file by the `gguf` package's quantizer
+(llama.cpp's reference quantizer) and writer. As in llama.cpp's quantizer, weights whose rows
+are not whole 32-weight blocks (stories260K's ``ffn_down``, 172 in-features) stay F32.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from zllm.weights import open_checkpoint
 from zllm.weights.formats import QuantizedTensor
 
 ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "sample"]
-GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+QUANTIZED = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+GGUF_TYPES = {fmt: gguf.GGMLQuantizationType[fmt.upper()] for fmt in QUANTIZED}
 F32_FILE = MODEL_DIR / "gguf" / "stories260K-f32.gguf"
 GREEDY = {"prompt": "", "max_tokens": 64, "stop_token_ids": []}
 
@@ -47,7 +50,7 @@ def _dequantized_checkpoint(gguf_path, out_dir):
     return out_dir
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_0", "bf16"])
+@pytest.fixture(scope="module", params=[*QUANTIZED, "bf16"])
 def engines(request, tmp_path_factory):
     fmt = request.param
     tmp = tmp_path_factory.mktemp(fmt)

@@ -9,6 +9,10 @@ embedding and the (untied) output head are random but valid blocks of one k-quan
 random bytes for quants and sub-block scales, f16 ``d``/``dmin`` set so weights have
 ~1/sqrt(K) spread and ~0 mean; norms are F32.
 
+A fourth file is mixed as llama.cpp's Q4_K_M/Q5_K_M files are wherever a row is not whole
+super-blocks (MoE experts of width 1408): FFN 352, so ``ffn_down``'s 352-weight rows are Q5_0
+(encoded by gguf-py's quantizer, llama.cpp's reference) and every other weight Q4_K.
+
 zllm keeps those weights quantized and decodes them inside the CPU kernels; the oracle runs
 every op through the core's f32 references (``backend.force_reference``) on an f32
 safetensors checkpoint of the same tensors read through the same loader (so llama's Q/K row
@@ -38,6 +42,9 @@ from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 
 ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "sample"]
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+# Q4_K with Q5_0 where a row is not whole super-blocks: FFN 352 makes ffn_down's rows 352 weights
+MIXED = "q4_k+q5_0"
+MIXED_FFN, MIXED_FALLBACK = 352, "q5_0"
 F32_FILE = MODEL_DIR / "gguf" / "stories260K-f32.gguf"
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 512, 512
 HEAD_DIM = HIDDEN // HEADS
@@ -71,8 +78,9 @@ def random_kquant(fmt: str, rows: int, cols: int, std: float, rng: np.random.Gen
     return raw.reshape(rows, -1)
 
 
-def write_random_llama(path, fmt: str, seed: int):
-    """A llama GGUF whose weights are random ``fmt`` blocks (norms F32), with stories260K's vocabulary."""
+def write_random_llama(path, fmt: str, seed: int, ffn: int = FFN, fallback: str | None = None):
+    """A llama GGUF whose weights are random ``fmt`` blocks (norms F32), with stories260K's vocabulary;
+    weights whose rows are not whole ``fmt`` blocks are ``fallback``, from gguf-py's quantizer."""
     rng = np.random.default_rng(seed)
     src = gguf.GGUFReader(F32_FILE)
     writer = gguf.GGUFWriter(path, "llama")
@@ -80,7 +88,7 @@ def write_random_llama(path, fmt: str, seed: int):
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(HEAD_DIM)
@@ -92,7 +100,12 @@ def write_random_llama(path, fmt: str, seed: int):
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
 
     def quant(name: str, rows: int, cols: int, std: float) -> None:
-        writer.add_tensor(name, random_kquant(fmt, rows, cols, std, rng), raw_dtype=gguf_type(fmt))
+        if cols % BLOCK_LAYOUTS[fmt].block_size == 0:
+            writer.add_tensor(name, random_kquant(fmt, rows, cols, std, rng), raw_dtype=gguf_type(fmt))
+        else:
+            assert fallback is not None, (name, cols)
+            w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+            writer.add_tensor(name, gguf.quants.quantize(w, gguf_type(fallback)), raw_dtype=gguf_type(fallback))
 
     def norm(name: str) -> None:
         writer.add_tensor(name, rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
@@ -107,9 +120,9 @@ def write_random_llama(path, fmt: str, seed: int):
         quant(f"blk.{i}.attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN, 2.0 / HIDDEN**0.5)
         quant(f"blk.{i}.attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN, 1.0 / HIDDEN**0.5)
         quant(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, 1.0 / HIDDEN**0.5)
-        quant(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, 1.0 / HIDDEN**0.5)
-        quant(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, 1.0 / HIDDEN**0.5)
-        quant(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, 1.0 / FFN**0.5)
+        quant(f"blk.{i}.ffn_gate.weight", ffn, HIDDEN, 1.0 / HIDDEN**0.5)
+        quant(f"blk.{i}.ffn_up.weight", ffn, HIDDEN, 1.0 / HIDDEN**0.5)
+        quant(f"blk.{i}.ffn_down.weight", HIDDEN, ffn, 1.0 / ffn**0.5)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -132,11 +145,15 @@ def _dequantized_checkpoint(gguf_path, out_dir):
     return out_dir
 
 
-@pytest.fixture(scope="module", params=KQUANTS)
+@pytest.fixture(scope="module", params=[*KQUANTS, MIXED])
 def engines(request, tmp_path_factory):
     fmt = request.param
     tmp = tmp_path_factory.mktemp(fmt)
-    path = write_random_llama(tmp / f"random-llama-{fmt}.gguf", fmt, seed=KQUANTS.index(fmt))
+    if fmt == MIXED:
+        path = write_random_llama(tmp / "random-llama-mixed.gguf", "q4_k", seed=len(KQUANTS), ffn=MIXED_FFN,
+                                  fallback=MIXED_FALLBACK)
+    else:
+        path = write_random_llama(tmp / f"random-llama-{fmt}.gguf", fmt, seed=KQUANTS.index(fmt))
     oracle_dir = _dequantized_checkpoint(path, tmp / "decoded")
     oracle = zllm.Engine.from_config(write_config(tmp, oracle_dir, backend={"force_reference": ALL_OPS}))
     (tmp / "q").mkdir()
@@ -148,8 +165,10 @@ def engines(request, tmp_path_factory):
 def test_weights_stay_in_their_stored_format(engines):
     fmt, _, quantized, _ = engines
     model = quantized.loaded.model
-    for weight in (model.embed, model.layers[0].q, model.layers[0].gate, model.layers[1].down):
-        assert isinstance(weight, QuantizedTensor) and weight.fmt == fmt
+    main, down = ("q4_k", MIXED_FALLBACK) if fmt == MIXED else (fmt, fmt)
+    for weight in (model.embed, model.layers[0].q, model.layers[0].gate):
+        assert isinstance(weight, QuantizedTensor) and weight.fmt == main
+    assert isinstance(model.layers[1].down, QuantizedTensor) and model.layers[1].down.fmt == down
 
 
 def test_greedy_tokens_match_f32_reference_on_decoded_weights(engines):

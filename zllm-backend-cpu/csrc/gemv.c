@@ -2,29 +2,37 @@
  *
  * Batch-1 decode reads every weight once per token, so a GEMV is bound by memory bandwidth:
  * each kernel streams the weight once and keeps it in its storage format (f32, bf16, f16,
- * GGUF Q8_0 / Q4_0 blocks). Dense weights are converted to f32 in registers and accumulated
- * in f32 with AVX2 FMA. Block layouts follow ggml's ggml-common.h (Q8_0: f16 d + 32 int8,
- * w = d * q; Q4_0: f16 d + 16 bytes, byte j = weight j in its low nibble and weight j + 16
- * in its high nibble, w = d * (q - 8)).
+ * GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks). Dense weights are converted to f32 in
+ * registers and accumulated in f32 with AVX2 FMA. Block layouts follow ggml's ggml-common.h
+ * (Q8_0: f16 d + 32 int8, w = d * q; Q4_0: f16 d + 16 bytes, byte j = weight j in its low
+ * nibble and weight j + 16 in its high nibble, w = d * (q - 8); Q4_1: f16 d + f16 m + the
+ * Q4_0 nibbles, w = d * q + m; Q5_0: f16 d + a little-endian uint32 qh whose bit i is bit 4
+ * of weight i + the Q4_0 nibbles as the low 4 bits, w = d * (q - 16); Q5_1: f16 d + f16 m +
+ * qh + nibbles, w = d * q + m).
  *
- * Q8_0 / Q4_0 take integer dot products: converting every int8 / nibble to f32 made the loop
+ * The block formats take integer dot products: converting every int8 / nibble to f32 made the loop
  * instruction-bound (~12 cycles a Q8_0 block, 8.4 GB/s on one core). Instead x is quantized
  * once per call to int16 per block of 32 in-features b: s_b = max|x_b| / 32767 and
  * q_i = round(x_i / s_b) (to nearest even, |q_i| <= 32767; s_b = 0 and q = 0 for a block of
  * zeros or one whose scale underflows to 0; s_b = NaN for a block holding a NaN or an
  * infinity, so every output of that token is NaN). Per weight block the weights are widened
- * to int16 (Q4_0: nibble - 8) and multiplied with _mm256_madd_epi16: the block's 32 products
- * land exactly in 8 int32 lanes (4 products a lane, |lane| <= 4 * 128 * 32767 < 2^24, so also
- * exact as f32), which are converted to f32 and scaled by d_w * s_b (one FMA).
+ * to int16 (Q4_0: nibble - 8; Q5_0: q - 16; Q4_1 / Q5_1: q) and multiplied with
+ * _mm256_madd_epi16: the block's 32 products land exactly in 8 int32 lanes (4 products a
+ * lane, |lane| <= 4 * 128 * 32767 < 2^24, so also exact as f32), which are converted to f32
+ * and scaled by d_w * s_b (one FMA). Q4_1 / Q5_1 add m_w * s_b times the block's integer sum
+ * of the quantized x (8 exact int32 lanes of sum(q_x), a second FMA): the exact product of
+ * w = d_w q + m_w with the quantized x, as for the other formats.
  *
  * Numerics: dense formats: f32 products of the exactly converted weights, only the summation
- * order differs from the f32 reference (~1e-6 relative). Q8_0 / Q4_0: against the exact
+ * order differs from the f32 reference (~1e-6 relative). Block formats: against the exact
  * product with the dequantized weights w,
  *     |y - y_ref| <= sum over blocks b of (s_b / 2) * sum_(i in b) |w_i|   (plus f32 rounding),
  * since |x_i - s_b q_i| <= s_b / 2; the f32 rounding is that of x_i / s_b (2^-24 |x_i|), of
  * d_w * s_b, and of the f32 sum over the K / 32 blocks (and, where d_w * s_b is subnormal,
- * 2^-150 of the block's integer sum). For x of similar magnitudes within a block that is
- * about 1e-5 relative (llama.cpp's int8 activations: ~1e-3).
+ * 2^-150 of the block's integer sum). Q4_1 / Q5_1 round the d_w and m_w parts separately,
+ * so their rounding is relative to sum (|d_w q| + |m_w|) |x| rather than sum |w| |x|, and the
+ * f32 rounding of w = d_w q + m_w in the reference adds 2^-24 |w| |x|. For x of similar
+ * magnitudes within a block that is about 1e-5 relative (llama.cpp's int8 activations: ~1e-3).
  *
  * Order: every output element y[t, n] is reduced in one fixed order that depends only on
  * the format and K (never on T, N, the row's position, the thread split or the other rows):
@@ -32,10 +40,10 @@
  *          in-features k with k % 32 in [8i, 8i + 8)), the last 0-3 whole chunks of 8 into
  *          accumulators 0, 1, 2, then (a0 + a2) + (a1 + a3), a fixed horizontal sum, the
  *          K % 8 tail one fused multiply-add at a time, then + bias;
- *   Q8_0 / Q4_0: per 32-weight block the 8 exact int32 lanes above, converted and scaled
- *          by d_w * s_b into one of two 8-lane accumulators (even / odd blocks; one FMA),
- *          then a0 + a1, the horizontal sum and + bias; x's quantization depends only on
- *          the token's own row.
+ *   block formats: per 32-weight block the 8 exact int32 lanes above, converted and scaled
+ *          by d_w * s_b into one of two 8-lane accumulators (even / odd blocks; one FMA;
+ *          Q4_1 / Q5_1 then the m_w * s_b FMA into the same accumulator), then a0 + a1, the
+ *          horizontal sum and + bias; x's quantization depends only on the token's own row.
  * So a row of y is bit-identical whatever else is in the batch (batch-invariant).
  *
  * Order: one weight row at a time, for every token, so each thread streams one contiguous
@@ -57,11 +65,12 @@
 #include "common.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define TOKENS_MAX 2              /* tokens sharing one conversion of a weight row */
 #define CHUNK_BYTES (64 << 10)    /* weight bytes per work item of the thread split */
 #define PREFETCH_BYTES 512        /* dense formats */
-#define QUANT_PREFETCH_BYTES 2048 /* Q8_0 / Q4_0 */
+#define QUANT_PREFETCH_BYTES 2048 /* block formats */
 
 /* Prefetch the cache lines `ahead` bytes after the `bytes` at p: the GEMV loops retire few
  * bytes per instruction (bf16, Q8_0, Q4_0), so the out-of-order window alone keeps too few
@@ -157,14 +166,49 @@ INLINE void block_q4_0(const uint8_t *b, __m256i q[2]) {
     q[1] = _mm256_sub_epi16(_mm256_srli_epi16(v, 4), eight);                       /* weights 16..31 */
 }
 
+/* 16 nibbles (16 bytes at p) as int16 lanes: q[0] = low nibbles (weights 0..15), q[1] = high. */
+INLINE void nibbles16(const uint8_t *p, __m256i q[2]) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    q[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    q[1] = _mm256_srli_epi16(v, 4);
+}
+
+/* Bit 4 of 16 weights' q: bit i of `bits` -> int16 lane i, 16 if set, else 0. */
+INLINE __m256i high_bit16(uint32_t bits) {
+    const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                             (short)0x8000);
+    const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)bits), select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi16(16));
+}
+
+/* Q5_0 / Q5_1: the nibbles at p + 4 with bit 4 from the little-endian uint32 qh at p. */
+INLINE void quants5(const uint8_t *p, __m256i q[2]) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    nibbles16(p + 4, q);
+    q[0] = _mm256_or_si256(q[0], high_bit16(qh & 0xFFFF)); /* weights 0..15 */
+    q[1] = _mm256_or_si256(q[1], high_bit16(qh >> 16));    /* weights 16..31 */
+}
+
+INLINE void block_q4_1(const uint8_t *b, __m256i q[2]) { nibbles16(b + 4, q); }
+INLINE void block_q5_0(const uint8_t *b, __m256i q[2]) {
+    quants5(b + 2, q);
+    q[0] = _mm256_sub_epi16(q[0], _mm256_set1_epi16(16));
+    q[1] = _mm256_sub_epi16(q[1], _mm256_set1_epi16(16));
+}
+INLINE void block_q5_1(const uint8_t *b, __m256i q[2]) { quants5(b + 4, q); }
+
 INLINE float block_d(const uint8_t *b) { return _cvtsh_ss((uint16_t)(b[0] | b[1] << 8)); }
+INLINE float block_m(const uint8_t *b) { return _cvtsh_ss((uint16_t)(b[2] | b[3] << 8)); } /* Q4_1 / Q5_1 */
 
 /* One weight row times TT tokens of quantized x (token t: values xq + t * k, scales
  * xs + t * k / 32) -> y[t * ldy]. Per block: the exact integer sum of q_w * q_x in 8 int32
  * lanes (two madds: 4 products a lane, |lane| <= 4 * 128 * 32767 < 2^24, so also exact as
  * f32), converted and scaled by d_w * s_x into one of two 8-lane accumulators (even / odd
- * blocks; one FMA). The weights are widened once for all TT tokens. */
-#define QUANT_DOT(NAME, BLOCK_BYTES)                                                           \
+ * blocks; one FMA). HAS_MIN (Q4_1 / Q5_1): then m_w * s_x times the block's exact int32 lane
+ * sums of q_x (madds with ones) into the same accumulator. The weights are widened once for
+ * all TT tokens. */
+#define QUANT_DOT(NAME, BLOCK_BYTES, HAS_MIN)                                                  \
 INLINE void dot_##NAME(const uint8_t *w, const int16_t *xq, const float *xs, int64_t k,         \
                        const float *bias, float *y, int64_t ldy, const int TT) {                \
     __m256 a[TOKENS_MAX][2];                                                                    \
@@ -177,12 +221,18 @@ INLINE void dot_##NAME(const uint8_t *w, const int16_t *xq, const float *xs, int
             PREFETCH(blk, QUANT_PREFETCH_BYTES, BLOCK_BYTES);                                   \
             __m256i q[2];                                                                       \
             block_##NAME(blk, q);                                                               \
-            const float d = block_d(blk);                                                       \
+            const float d = block_d(blk), m = (HAS_MIN) ? block_m(blk) : 0.0f;                  \
             for (int t = 0; t < TT; t++) {                                                      \
                 const __m256i *xb = (const __m256i *)(xq + t * k + (b + h) * 32);               \
-                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(xb)), \
-                                                   _mm256_madd_epi16(q[1], _mm256_loadu_si256(xb + 1))); \
-                a[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xs[t * nb + b + h]), a[t][h]); \
+                const __m256i x0 = _mm256_loadu_si256(xb), x1 = _mm256_loadu_si256(xb + 1);     \
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q[0], x0), _mm256_madd_epi16(q[1], x1)); \
+                const float s = xs[t * nb + b + h];                                             \
+                a[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * s), a[t][h]); \
+                if (HAS_MIN) {                                                                  \
+                    const __m256i one = _mm256_set1_epi16(1);                                   \
+                    const __m256i sx = _mm256_add_epi32(_mm256_madd_epi16(one, x0), _mm256_madd_epi16(one, x1)); \
+                    a[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sx), _mm256_set1_ps(m * s), a[t][h]); \
+                }                                                                               \
             }                                                                                   \
         }                                                                                       \
     for (int t = 0; t < TT; t++) {                                                              \
@@ -191,8 +241,11 @@ INLINE void dot_##NAME(const uint8_t *w, const int16_t *xq, const float *xs, int
     }                                                                                           \
 }
 
-QUANT_DOT(q8_0, 34)
-QUANT_DOT(q4_0, 18)
+QUANT_DOT(q8_0, 34, 0)
+QUANT_DOT(q4_0, 18, 0)
+QUANT_DOT(q4_1, 20, 1)
+QUANT_DOT(q5_0, 22, 0)
+QUANT_DOT(q5_1, 24, 1)
 
 /* ---- rows [r0, r1) for all T tokens: pairs of tokens, then a last single one ---- */
 
@@ -239,6 +292,9 @@ DENSE_ROWS(bf16, uint16_t)
 DENSE_ROWS(f16, uint16_t)
 QUANT_ROWS(q8_0)
 QUANT_ROWS(q4_0)
+QUANT_ROWS(q4_1)
+QUANT_ROWS(q5_0)
+QUANT_ROWS(q5_1)
 
 /* ---- the thread split, entry points ---- */
 
@@ -324,3 +380,6 @@ void zllm_gemv_##NAME(const uint8_t *w, int64_t ws, const float *x, int64_t xs, 
 
 QUANT_ENTRY(q8_0, 34)
 QUANT_ENTRY(q4_0, 18)
+QUANT_ENTRY(q4_1, 20)
+QUANT_ENTRY(q5_0, 22)
+QUANT_ENTRY(q5_1, 24)

@@ -31,8 +31,11 @@ def _weight(fmt: str, n: int, k: int, g: torch.Generator):
         return torch.randn(n, k, generator=g).to(dtype)
     layout = BLOCK_LAYOUTS[fmt]
     data = torch.randint(0, 256, (n, k // layout.block_size * layout.type_size), dtype=torch.uint8, generator=g)
-    scales = data.view(n, -1, layout.type_size)[..., :2]  # q8_0 / q4_0: a leading f16 scale per block
+    scales = data.view(n, -1, layout.type_size)[..., :2]  # 32-weight formats: a leading f16 scale per block
     scales.copy_(torch.full(scales.shape[:-1], 0.01, dtype=torch.float16).view(torch.uint8).view(scales.shape))
+    if fmt in ("q4_1", "q5_1"):  # and an f16 min m after it: finite, so outputs are comparable
+        mins = data.view(n, -1, layout.type_size)[..., 2:4]
+        mins.copy_(torch.full(mins.shape[:-1], -0.08, dtype=torch.float16).view(torch.uint8).view(mins.shape))
     return QuantizedTensor(data, fmt, (n, k))
 
 
@@ -46,7 +49,7 @@ def test_plain_f32_linear_drifts_with_the_row_count():
 
 
 @settings(max_examples=30, deadline=None)
-@given(fmt=st.sampled_from(["f32", "bf16", "f16", "q8_0", "q4_0"]), n=st.sampled_from([7, 64, 172, 333]),
+@given(fmt=st.sampled_from(["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]), n=st.sampled_from([7, 64, 172, 333]),
        k_blocks=st.integers(1, 12), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_invariant_linear_rows_are_bit_identical_for_every_row_count_and_position(fmt, n, k_blocks, bias, seed):
     g = torch.Generator().manual_seed(seed)

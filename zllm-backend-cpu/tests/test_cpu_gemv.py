@@ -27,28 +27,37 @@ from zllm_backend_cpu.kernels.native import LIBRARY_PATH, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"native GEMV library: {unavailable_reason()}")
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0")
+QUANT = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+FORMATS = ("f32", "f16", "bf16", *QUANT)
 DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+# largest |q| of each format's signed quants, or its unsigned q's midpoint (formats with a min m)
+Q_RANGE = {"q8_0": 127, "q4_0": 8, "q5_0": 16, "q4_1": 7.5, "q5_1": 15.5}
+WITH_MIN = ("q4_1", "q5_1")  # w = d * q + m: f16 m at block bytes 2-3
 
 
 def make_weight(fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor | QuantizedTensor:
-    """A random weight of ``fmt`` with O(1/sqrt(K)) entries, like a trained layer."""
+    """A random weight of ``fmt`` with O(1/sqrt(K)) entries, like a trained layer (formats with
+    a min: ``m = -d * midpoint`` times a jitter, so weights have about zero mean)."""
     if fmt in DENSE:
         return (torch.randn(n, k, generator=g) / k**0.5).to(DENSE[fmt])
     raw = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
-    q_range = 127 if fmt == "q8_0" else 8
-    raw[..., :2] = (torch.rand(n, k // 32, 1, generator=g) / (q_range * k**0.5)).half().view(torch.uint8)
+    d = torch.rand(n, k // 32, 1, generator=g) / (Q_RANGE[fmt] * k**0.5)
+    raw[..., :2] = d.half().view(torch.uint8)
+    if fmt in WITH_MIN:
+        m = -d * Q_RANGE[fmt] * (0.75 + 0.5 * torch.rand(n, k // 32, 1, generator=g))
+        raw[..., 2:4] = m.half().view(torch.uint8)
     return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
 
 
 def assert_within_quantization_bound(got: torch.Tensor, x: torch.Tensor, w: QuantizedTensor, b: torch.Tensor | None):
-    """Q8_0 / Q4_0 (``csrc/gemv.c``): x is quantized to int16 per block of 32, ``s_b = max|x_b| / 32767``,
+    """Block formats (``csrc/gemv.c``): x is quantized to int16 per block of 32, ``s_b = max|x_b| / 32767``,
     so ``|y - y_ref| <= sum_b (s_b / 2) * sum_(i in b) |w_i|`` plus f32 rounding, against the exact
     product with the dequantized weights (here in f64). The f32 rounding: the kernel's ``x / s_b`` (2^-24
     of ``|x|`` per element), its scales ``d * s_b`` and block sums (2^-24 each) and the f32 sum over the
     ``K / 32`` blocks: ``(K / 32 + 8) * 2^-24`` of ``sum |w| |x|`` and of the bound itself, and 2^-123 a
-    block where ``d * s_b`` is subnormal."""
+    block where ``d * s_b`` is subnormal. Q4_1 / Q5_1 round the ``d * q`` and ``m`` parts apart (and the
+    reference rounds ``w = d * q + m``): their magnitude is ``sum (|d q| + |m|) |x|`` instead."""
     t, k = x.shape
     n, nb = w.shape[0], k // 32
     wd, xd = weight_to_f32(w).double(), x.double()  # the dequantized weights are exact in f32
@@ -56,7 +65,11 @@ def assert_within_quantization_bound(got: torch.Tensor, x: torch.Tensor, w: Quan
     ref = xd @ wd.t() + bd  # [T, N]
     s = xd.view(t, nb, 32).abs().amax(-1) / 32767  # [T, nb]
     bound = (s / 2) @ wd.abs().view(n, nb, 32).sum(-1).t()  # [T, N]
-    magnitude = xd.abs() @ wd.abs().t() + bd.abs()
+    parts = wd.abs()
+    if w.fmt in WITH_MIN:
+        m = w.data.view(n, nb, -1)[..., 2:4].contiguous().view(torch.float16).double()  # [N, nb, 1]
+        parts = ((wd.view(n, nb, 32) - m).abs() + m.abs()).view(n, k)  # |d q| + |m|
+    magnitude = xd.abs() @ parts.t() + bd.abs()
     rounding = (nb + 8) * 2.0**-24 * (magnitude + bound) + nb * 2.0**-123
     err = (got.double() - ref).abs()
     worst = int((err - bound - rounding).argmax())
@@ -132,7 +145,7 @@ def extreme_rows(t: int, k: int, kinds: list[str], g: torch.Generator) -> torch.
 
 @settings(max_examples=40, deadline=None)
 @given(
-    fmt=st.sampled_from(["q8_0", "q4_0"]),
+    fmt=st.sampled_from(QUANT),
     kinds=st.lists(st.sampled_from(["plain", "zeros", "huge", "negative max", "tiny", "subnormal", "one nonzero"]),
                    min_size=1, max_size=12),
     t=st.sampled_from([1, 2, 3, 5]),
@@ -167,7 +180,7 @@ def test_gemv_with_fewer_in_features_than_one_vector_chunk(fmt, k):
     torch.testing.assert_close(kernels.gemv(x, w, b), ref_linear(x, w, b), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", QUANT)
 def test_gemv_on_blocks_quantized_by_the_gguf_package(fmt):
     g = torch.Generator().manual_seed(1)
     n, k = 37, 32 * 7
@@ -230,7 +243,7 @@ def test_nan_scales_and_activations_propagate():
     assert torch.equal(got.isnan(), torch.tensor([[False] * 3 + [True] + [False] * 4, [True] * 8]))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", QUANT)
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_a_non_finite_activation_makes_the_quantized_outputs_of_its_token_nan(fmt, value):
     g = torch.Generator().manual_seed(4)

@@ -14,6 +14,10 @@ from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 from zllm_backend_cpu.kernels import linear as kernels
 
 DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+BLOCKS_32 = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# largest |q| of each format's signed quants, or its unsigned q's midpoint (formats with a min m)
+Q_RANGE = {"q8_0": 127, "q4_0": 8, "q5_0": 16, "q4_1": 7.5, "q5_1": 15.5}
+F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2)}  # d (and m) offsets
 
 
 def make_weight(fmt: str, n: int, k: int, g: torch.Generator, scale_bits: list[int] | None = None):
@@ -22,14 +26,16 @@ def make_weight(fmt: str, n: int, k: int, g: torch.Generator, scale_bits: list[i
         return (torch.randn(n, k, generator=g) / k**0.5).to(DENSE[fmt])
     layout = BLOCK_LAYOUTS[fmt]
     raw = torch.randint(0, 256, (n, k // 32, layout.type_size), dtype=torch.uint8, generator=g)
-    q_range = 127 if fmt == "q8_0" else 8
-    raw[..., :2] = (torch.rand(n, k // 32, 1, generator=g) / (q_range * k**0.5)).half().view(torch.uint8)
+    d = torch.rand(n, k // 32, 1, generator=g) / (Q_RANGE[fmt] * k**0.5)
+    raw[..., :2] = d.half().view(torch.uint8)
+    if len(F16_FIELDS[fmt]) == 2:  # m = -d * midpoint, jittered: weights of about zero mean
+        raw[..., 2:4] = (-d * Q_RANGE[fmt] * (0.75 + 0.5 * torch.rand(n, k // 32, 1, generator=g))).half().view(torch.uint8)
     return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
 
 
 @settings(max_examples=50, deadline=None)
 @given(
-    fmt=st.sampled_from(["f32", "f16", "bf16", "q8_0", "q4_0"]),
+    fmt=st.sampled_from(["f32", "f16", "bf16", *BLOCKS_32]),
     t=st.sampled_from([1, 1, 2, 5, 17]),
     n=st.integers(1, 70),  # rows: rarely a multiple of the 16-row minimum tile
     k_blocks=st.integers(1, 6),
@@ -67,7 +73,7 @@ def test_f16_decode_with_huge_activation_stays_finite():
 
 @settings(max_examples=30, deadline=None)
 @given(
-    fmt=st.sampled_from(["f32", "f16", "bf16", "q8_0", "q4_0"]),
+    fmt=st.sampled_from(["f32", "f16", "bf16", *BLOCKS_32]),
     v=st.integers(1, 40),
     k_blocks=st.integers(1, 4),
     t=st.integers(0, 9),
@@ -83,7 +89,7 @@ def test_embedding_matches_reference_exactly(fmt, v, k_blocks, t, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(fmt=st.sampled_from(["q8_0", "q4_0"]), rows=st.integers(1, 5), k_blocks=st.integers(1, 4), data=st.data())
+@given(fmt=st.sampled_from(BLOCKS_32), rows=st.integers(1, 5), k_blocks=st.integers(1, 4), data=st.data())
 def test_decoders_match_reference_bit_for_bit_with_nan_and_inf_scales(fmt, rows, k_blocks, data):
     layout = BLOCK_LAYOUTS[fmt]
     n_bytes = rows * k_blocks * layout.type_size
@@ -92,10 +98,11 @@ def test_decoders_match_reference_bit_for_bit_with_nan_and_inf_scales(fmt, rows,
     specials = torch.tensor([0x7C00, 0xFC00, 0x7E00, 0x0001, 0x8000], dtype=torch.int32)
     pick = torch.tensor(data.draw(st.lists(st.integers(0, 9), min_size=rows * k_blocks, max_size=rows * k_blocks)))
     forced = (specials[pick.clamp(max=4)] .to(torch.int16)).view(torch.uint8).view(rows, k_blocks, 2)
-    raw[..., :2] = torch.where((pick < 5).view(rows, k_blocks, 1), forced, raw[..., :2])
+    for offset in F16_FIELDS[fmt]:  # the scale d and, where the format has one, the min m
+        field = raw[..., offset:offset + 2]
+        field.copy_(torch.where((pick < 5).view(rows, k_blocks, 1), forced, field))
     w = QuantizedTensor(raw.view(rows, -1).contiguous(), fmt, (rows, 32 * k_blocks))
-    decode = kernels.decode_q8_0_rows if fmt == "q8_0" else kernels.decode_q4_0_rows
-    got, expected = decode(w.data, w.shape[1]), dequantize(w)
+    got, expected = kernels.DECODERS[fmt](w.data, w.shape[1]), dequantize(w)
     assert torch.equal(got.isnan(), expected.isnan())
     keep = ~expected.isnan()
     assert torch.equal(got[keep].view(torch.int32), expected[keep].view(torch.int32))

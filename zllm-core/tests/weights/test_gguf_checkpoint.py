@@ -201,6 +201,21 @@ def test_bf16_and_q4_0_tensors(tmp_path):
     assert torch.equal(w_down, torch.from_numpy(down).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q5_0,
+                                   gguf.GGMLQuantizationType.Q5_1])
+def test_q4_1_q5_0_q5_1_tensors_are_read_as_their_stored_blocks(tmp_path, qtype):
+    tensors = tiny_llama_tensors(np.random.default_rng(4))
+    blocks = gguf.quants.quantize(tensors["blk.0.ffn_up.weight"], qtype)  # uint8 [64, 32 // 32 * type_size]
+    stored = {**tensors, "blk.0.ffn_up.weight": (blocks, qtype)}
+    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), stored))
+    name = "model.layers.0.mlp.up_proj.weight"
+    fmt = qtype.name.lower()
+    assert ckpt.tensor_shape_format(name) == ((64, 32), fmt)
+    w = ckpt.tensor(name)
+    assert isinstance(w, QuantizedTensor) and w.fmt == fmt and w.shape == (64, 32)
+    assert np.array_equal(w.data.numpy(), blocks)
+
+
 def test_unsupported_gguf_type_names_tensor_type_and_supported(tmp_path):
     tensors = tiny_llama_tensors(np.random.default_rng(3))
     stored = dict(tensors)
@@ -211,7 +226,7 @@ def test_unsupported_gguf_type_names_tensor_type_and_supported(tmp_path):
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(llama__feed_forward_length=(256, U32)), stored))
     name = "model.layers.0.mlp.gate_proj.weight"
     assert ckpt.tensor_shape(name) == (64, 256)
-    with pytest.raises(TensorError, match=r"stored as GGUF type IQ4_XS .*supported types: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K") as e:
+    with pytest.raises(TensorError, match=r"stored as GGUF type IQ4_XS .*supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K") as e:
         ckpt.tensor(name)
     assert e.value.tensor == name and e.value.file == str(tmp_path / "m.gguf")
 

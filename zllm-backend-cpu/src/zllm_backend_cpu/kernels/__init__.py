@@ -27,7 +27,10 @@ from zllm.plugin_api import Capability
 
 _PKG = "zllm_backend_cpu.kernels"
 
-QUANT_FORMATS = ("q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # decoders in .linear / .kquants
+# decoders in .linear / .kquants
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+# native GEMV (.gemv): one zllm_gemv_<format> each
+GEMV_FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("embedding", ("f32", "f16", "bf16"), f"{_PKG}.linear:embedding_dense"),
@@ -61,7 +64,7 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
 #: Native kernels (:mod:`zllm_backend_cpu.kernels.native`), registered at priority 1 when the
 #: library loads.
 NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
-    ("linear", ("f32", "f16", "bf16", "q8_0", "q4_0"), f"{_PKG}.gemv:linear_gemv"),
+    ("linear", GEMV_FORMATS, f"{_PKG}.gemv:linear_gemv"),
     ("rms_norm", ("f32",), f"{_PKG}.elementwise:rms_norm"),
     ("add_rms_norm", ("f32",), f"{_PKG}.elementwise:add_rms_norm"),
     ("rope", ("neox",), f"{_PKG}.elementwise:rope"),
@@ -77,7 +80,7 @@ NATIVE_INVARIANT_AS_IS = frozenset({"rms_norm", "add_rms_norm", "rope", "silu_mu
 
 #: Batch-invariant native GEMV kernels, registered at priority -1 when the library loads.
 NATIVE_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
-    ("linear", ("f32", "f16", "bf16", "q8_0", "q4_0"), f"{_PKG}.gemv:linear_gemv_invariant"),
+    ("linear", GEMV_FORMATS, f"{_PKG}.gemv:linear_gemv_invariant"),
 ]
 
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)

@@ -19,7 +19,7 @@ How:
   order for an output element does not depend on the other rows' values, nor (checked for
   every position 0..15, by ``tests/test_invariant_kernels.py``) on the row's position.
   Where the native GEMV library loads, its kernels (batch-invariant for any row count, see
-  :mod:`zllm_backend_cpu.kernels.gemv`) take precedence for f32/f16/bf16/Q8_0/Q4_0.
+  :mod:`zllm_backend_cpu.kernels.gemv`) take precedence for f32/f16/bf16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1.
 - ``silu_mul``: rows padded to a multiple of 64 and computed in calls of one fixed shape of
   at most 32768 elements (one thread), so every element is in a full SIMD vector.
 - ``attention`` / ``attention_sliding``: every query token attends exactly as a decode step

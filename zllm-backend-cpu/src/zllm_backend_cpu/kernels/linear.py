@@ -1,5 +1,6 @@
 """CPU kernels for ``linear`` and ``embedding`` over dense (f32/f16/bf16) and GGUF block-quantized
-weights (q8_0, q4_0 here; the k-quants q2_k … q6_k in :mod:`zllm_backend_cpu.kernels.kquants`).
+weights (q8_0, q4_0, q4_1, q5_0, q5_1 here; the k-quants q2_k … q6_k in
+:mod:`zllm_backend_cpu.kernels.kquants`).
 
 Dimension legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``R`` rows of a
 weight tile, ``NBK = K // 32`` blocks per row.
@@ -26,7 +27,7 @@ from zllm.plugin_api import QuantizedTensor
 from zllm_backend_cpu.kernels.kquants import KQUANT_DECODERS
 
 TILE_BYTES = 4 << 20  # f32 working set of one decoded weight tile
-QK = 32  # weights per q8_0 / q4_0 block
+QK = 32  # weights per q8_0 / q4_0 / q4_1 / q5_0 / q5_1 block
 F16_MAX = 65504.0
 
 
@@ -59,8 +60,64 @@ def decode_q4_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None
     return q.view(r, k)  # [R, K]
 
 
+def _quants_32(blocks: torch.Tensor, qs_at: int, qh_at: int | None) -> torch.Tensor:
+    """The unsigned quants of 32-weight blocks, uint8 ``[R, NBK, type_size]`` -> uint8
+    ``[R, NBK, 32]``: nibbles of the 16 bytes at ``qs_at`` (low nibbles = weights 0..15, high =
+    16..31), and bit 4 from the little-endian uint32 at ``qh_at`` (bit ``i`` = weight ``i``;
+    q5_0/q5_1) when given."""
+    r, nbk, _ = blocks.shape
+    qs = blocks[..., qs_at:qs_at + 16]  # [R, NBK, 16]
+    q = torch.empty(r, nbk, QK, dtype=torch.uint8)  # [R, NBK, 32]
+    torch.bitwise_and(qs, 0x0F, out=q[..., :16])
+    torch.bitwise_right_shift(qs, 4, out=q[..., 16:])
+    if qh_at is not None:
+        qh = blocks[..., qh_at:qh_at + 4]  # [R, NBK, 4]: byte j holds bit 4 of weights 8j .. 8j + 7
+        high = torch.empty(r, nbk, 4, 8, dtype=torch.uint8)  # [R, NBK, j, b]: weight 8j + b
+        for b in range(8):
+            torch.bitwise_right_shift(qh, b, out=high[..., b]).bitwise_and_(1)
+        q.bitwise_or_(high.view(r, nbk, QK).bitwise_left_shift_(4))
+    return q
+
+
+def _scaled(q: torch.Tensor, blocks: torch.Tensor, offset: float, with_min: bool, k: int,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """``d * (q - offset)`` (``+ m`` when ``with_min``: f16 ``d`` at bytes 0-1, ``m`` at 2-3), in
+    the reference's order: the exact shift, the product rounded to f32, then the sum."""
+    r, nbk, _ = q.shape
+    w = torch.empty(r, nbk, QK) if out is None else out.view(r, nbk, QK)  # [R, NBK, 32]
+    w.copy_(q)
+    if offset:
+        w.sub_(offset)
+    w.mul_(blocks[..., :2].view(torch.float16))
+    if with_min:
+        w.add_(blocks[..., 2:4].view(torch.float16))
+    return w.view(r, k)  # [R, K]
+
+
+def decode_q4_1_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode q4_1 bytes uint8 ``[R, NBK * 20]`` to f32 ``[R, K]`` (``w = d * nibble + m``), into
+    ``out`` if given."""
+    blocks = data.view(data.shape[0], k // QK, 20)  # [R, NBK, 20]
+    return _scaled(_quants_32(blocks, 4, None), blocks, 0.0, True, k, out)
+
+
+def decode_q5_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode q5_0 bytes uint8 ``[R, NBK * 22]`` to f32 ``[R, K]`` (``w = d * (q - 16)``), into
+    ``out`` if given."""
+    blocks = data.view(data.shape[0], k // QK, 22)  # [R, NBK, 22]
+    return _scaled(_quants_32(blocks, 6, 2), blocks, 16.0, False, k, out)
+
+
+def decode_q5_1_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode q5_1 bytes uint8 ``[R, NBK * 24]`` to f32 ``[R, K]`` (``w = d * q + m``), into
+    ``out`` if given."""
+    blocks = data.view(data.shape[0], k // QK, 24)  # [R, NBK, 24]
+    return _scaled(_quants_32(blocks, 8, 4), blocks, 0.0, True, k, out)
+
+
 #: block layout -> ``decode(data uint8 [R, bytes per row], K, out f32 [R, K] | None) -> f32 [R, K]``.
-DECODERS = {"q8_0": decode_q8_0_rows, "q4_0": decode_q4_0_rows, **KQUANT_DECODERS}
+DECODERS = {"q8_0": decode_q8_0_rows, "q4_0": decode_q4_0_rows, "q4_1": decode_q4_1_rows,
+            "q5_0": decode_q5_0_rows, "q5_1": decode_q5_1_rows, **KQUANT_DECODERS}
 
 
 def _decode_rows(weight: torch.Tensor | QuantizedTensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,8 +10,8 @@ sizes, one-token decode rows, KV contexts crossing block edges (block sizes 1, 5
 ratios 1, 2, 4, 8 and MQA, New Prefill / Append Prefill / decode / mixed batches, sliding
 windows whose early blocks were freed (-1 in the block table), activations that are views
 into a fused tensor (the q/k/v split of a fused QKV projection, the gate/up halves of a fused
-MLP projection), weights in every format of a variant (dense f32/f16/bf16; q8_0 and q4_0
-from ``gguf.quants.quantize``; k-quants, which gguf-py cannot encode, as random blocks with
+MLP projection), weights in every format of a variant (dense f32/f16/bf16; q8_0, q4_0, q4_1,
+q5_0, q5_1 from ``gguf.quants.quantize``; k-quants, which gguf-py cannot encode, as random blocks with
 bounded f16 super-block scales) and sampling rows with every setting.
 """
 

@@ -1,15 +1,26 @@
 """Weight formats: the names zllm uses for dense dtypes and quantized block layouts.
 
 A *format* is the storage of one weight tensor: a dense torch dtype (``f32``, ``f16``,
-``bf16``) or a GGUF block-quantized layout (``q8_0``, ``q4_0``, the k-quants ``q2_k`` …
-``q6_k``). Block layouts follow ggml (``ggml/src/ggml-common.h``); all multi-byte fields
-are little endian:
+``bf16``) or a GGUF block-quantized layout (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``,
+the k-quants ``q2_k`` … ``q6_k``). Block layouts follow ggml (``ggml/src/ggml-common.h``);
+all multi-byte fields are little endian:
 
 - ``q8_0``: 32 weights per block, 34 bytes = f16 scale ``d`` + 32 x int8 ``qs``;
   ``w[i] = d * qs[i]``.
 - ``q4_0``: 32 weights per block, 18 bytes = f16 scale ``d`` + 16 bytes ``qs``; byte ``j``
   holds weight ``j`` in its low nibble and weight ``j + 16`` in its high nibble;
   ``w = d * (nibble - 8)``.
+- ``q4_1``: 32 weights per block, 20 bytes = f16 scale ``d`` + f16 min ``m`` + 16 bytes
+  ``qs`` (nibbles placed as in ``q4_0``); ``w = d * nibble + m``.
+- ``q5_0``: 32 weights per block, 22 bytes = f16 ``d`` + ``qh[4]`` (one little-endian
+  uint32) + 16 bytes ``qs`` (low 4 bits, placed as in ``q4_0``); bit ``i`` of ``qh`` is bit 4
+  of weight ``i``'s ``q``; ``w = d * (q - 16)``.
+- ``q5_1``: 32 weights per block, 24 bytes = f16 ``d`` + f16 ``m`` + ``qh[4]`` + 16 bytes
+  ``qs`` (``q`` as in ``q5_0``); ``w = d * q + m``.
+
+Rows whose length is not a multiple of 256 cannot hold k-quant super-blocks, so llama.cpp's
+``Q4_K_M``/``Q5_K_M`` files store such tensors (e.g. MoE expert widths of 1408) in these
+32-weight formats.
 
 K-quants (``block_q*_K``) use a *super-block* of ``QK_K = 256`` weights split into
 sub-blocks (16 of 16 weights or 8 of 32), each with its own small integer scale (and min)
@@ -65,6 +76,9 @@ QK_K = 256  # weights per k-quant super-block (ggml's QK_K)
 BLOCK_LAYOUTS: dict[str, BlockLayout] = {
     "q8_0": BlockLayout("q8_0", 32, 34),
     "q4_0": BlockLayout("q4_0", 32, 18),
+    "q4_1": BlockLayout("q4_1", 32, 20),  # 2 + 2 + 16
+    "q5_0": BlockLayout("q5_0", 32, 22),  # 2 + 4 + 16
+    "q5_1": BlockLayout("q5_1", 32, 24),  # 2 + 2 + 4 + 16
     "q2_k": BlockLayout("q2_k", QK_K, 84),  # 16 + 64 + 2 + 2
     "q3_k": BlockLayout("q3_k", QK_K, 110),  # 32 + 64 + 12 + 2
     "q4_k": BlockLayout("q4_k", QK_K, 144),  # 2 + 2 + 12 + 128
@@ -91,27 +105,28 @@ def format_of(weight: torch.Tensor | QuantizedTensor) -> str:
 
 @attrs.frozen(eq=False)
 class QuantizedTensor:
-    """A block-quantized 2-D weight kept in its stored bytes.
+    """A block-quantized weight kept in its stored bytes: 2-D ``[N, K]``, or N-D with leading
+    dimensions (an expert stack ``[E, N, K]``) over the same per-row blocks.
 
     Attributes:
-        data: uint8 ``[rows, cols // block_size * type_size]``; row ``r`` holds the blocks of
-            logical row ``r`` in order (ggml's layout), so a row permutation is a permutation
-            of ``data``'s rows.
+        data: uint8 ``[*lead, rows, cols // block_size * type_size]``; row ``r`` holds the
+            blocks of logical row ``r`` in order (ggml's layout), so a row permutation is a
+            permutation of ``data``'s rows.
         fmt: block layout name, a key of :data:`BLOCK_LAYOUTS`.
-        shape: logical ``(rows, cols)`` of the dequantized tensor; ``cols`` is a multiple of
-            the block size.
+        shape: logical ``(*lead, rows, cols)`` of the dequantized tensor; ``cols`` is a
+            multiple of the block size.
     """
 
     data: torch.Tensor
     fmt: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
     def __attrs_post_init__(self) -> None:
         layout = BLOCK_LAYOUTS[self.fmt]
-        rows, cols = self.shape
-        assert cols % layout.block_size == 0, (self.fmt, self.shape)
+        *lead, cols = self.shape
+        assert len(self.shape) >= 2 and cols % layout.block_size == 0, (self.fmt, self.shape)
         assert self.data.dtype == torch.uint8
-        assert tuple(self.data.shape) == (rows, cols // layout.block_size * layout.type_size), (
+        assert tuple(self.data.shape) == (*lead, cols // layout.block_size * layout.type_size), (
             tuple(self.data.shape),
             self.shape,
         )
@@ -124,8 +139,24 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def __getitem__(self, index: int) -> QuantizedTensor:
+        """Slice ``index`` of the first dimension (expert ``e`` of ``[E, N, K]`` -> ``[N, K]``),
+        sharing ``data``. Only N-D (N >= 3) tensors slice; a 2-D weight's rows come from
+        :meth:`rows`.
+
+        Raises:
+            IndexError: ``index`` is outside ``[-shape[0], shape[0])``.
+        """
+        assert len(self.shape) >= 3 and isinstance(index, int), (self.shape, index)
+        if not -self.shape[0] <= index < self.shape[0]:
+            raise IndexError(f"index {index} out of range for the first dimension of "
+                             f"{list(self.shape)}")
+        return QuantizedTensor(self.data[index], self.fmt, self.shape[1:])
+
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
-        """The rows ``index`` (int64 ``[n]``) as a new quantized tensor of shape ``(n, cols)``."""
+        """The rows ``index`` (int64 ``[n]``) of a 2-D tensor as a new quantized tensor of
+        shape ``(n, cols)``."""
+        assert len(self.shape) == 2, self.shape
         return QuantizedTensor(self.data[index], self.fmt, (int(index.numel()), self.shape[1]))
 
     def to(self, device: torch.device) -> QuantizedTensor:
