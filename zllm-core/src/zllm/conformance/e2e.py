@@ -246,10 +246,10 @@ def _check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Mode
     except ZllmError as exc:
         return E2EResult(source.name, path, "failed", detail=f"checkpoint rejected: {exc}")
     needed = family.required_capabilities(spec, formats)
-    missing = missing_capabilities(needed, info.capabilities)
-    if missing:
+    lacking = missing_capabilities(needed, info.capabilities)
+    if lacking:
         return E2EResult(source.name, path, "skipped",
-                         detail=f"backend {info.name!r} does not declare {', '.join(missing)} "
+                         detail=f"backend {info.name!r} does not declare {', '.join(lacking)} "
                                 f"(family {family_info.name!r})")
     unsupported = {c: why for c, why in device_unsupported(backend).items() if c in {str(n) for n in needed}}
     if unsupported:

@@ -368,11 +368,11 @@ def check_kernels(registry: KernelRegistry, info: BackendInfo, backend: Any, *, 
     unsupported = device_unsupported(backend)
     for entry in entries:
         for variant in entry.formats:
-            cap = f"{entry.op}[{variant}]"
-            if cap in unsupported:
-                add(CaseResult(entry.name, cap, "device", "skipped", priority=entry.priority,
+            name = f"{entry.op}[{variant}]"
+            if name in unsupported:
+                add(CaseResult(entry.name, name, "device", "skipped", priority=entry.priority,
                                batch_invariant=entry.batch_invariant,
-                               detail=f"the backend says this device cannot run {cap}: {unsupported[cap]}"))
+                               detail=f"the backend says this device cannot run {name}: {unsupported[name]}"))
                 continue
             for r in _check_entry_variant(registry, entry, variant, backend, seed, quick, declarations):
                 add(r)

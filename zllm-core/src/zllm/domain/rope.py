@@ -128,9 +128,9 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
         return None if params.get(key) is None else _number(key, params[key])
 
     factors = cfg.get("rope_freq_factors")
-    common = dict(rope_type=rope_type, theta=theta, max_position_embeddings=max_pos,
-                  original_max_position_embeddings=original,
-                  freq_factors=None if factors is None else tuple(float(f) for f in factors))
+    common: dict[str, Any] = dict(rope_type=rope_type, theta=theta, max_position_embeddings=max_pos,
+                                  original_max_position_embeddings=original,
+                                  freq_factors=None if factors is None else tuple(float(f) for f in factors))
     if rope_type == "default":
         return RopeParams(**common)
     if rope_type in ("linear", "dynamic"):

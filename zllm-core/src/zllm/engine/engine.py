@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from zllm.domain.family import model_kv_spec
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
@@ -23,7 +23,14 @@ from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
 from zllm.runtime.sequence import Sequence
 from zllm.spec.config import ZllmConfig, config_from_dict, load_config
 from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
-from zllm.spec.request import GenerationRequest, make_delta_event, make_final_event, make_response, parse_request
+from zllm.spec.request import (
+    FinishReason,
+    GenerationRequest,
+    make_delta_event,
+    make_final_event,
+    make_response,
+    parse_request,
+)
 from zllm.tokenizer.chat import render_chat
 
 
@@ -183,7 +190,7 @@ class Engine:
         for out in self._outputs(seq):
             if out.text or out.token_ids:
                 yield make_delta_event(out.text, list(out.token_ids))
-        yield make_final_event(seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+        yield make_final_event(_finish_reason(seq), len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
 
     def generate(self, request: dict[str, Any] | GenerationRequest, *,
                  deadline: float | None = None) -> dict[str, Any]:
@@ -194,5 +201,12 @@ class Engine:
         """
         seq = self.submit(request, deadline=deadline)
         text = "".join(out.text for out in self._outputs(seq))
-        return make_response(text, list(seq.output_ids), seq.finish_reason, len(seq.prompt_ids),
+        return make_response(text, list(seq.output_ids), _finish_reason(seq), len(seq.prompt_ids),
                              len(seq.output_ids), seq.cached_tokens)
+
+
+def _finish_reason(seq: Sequence) -> FinishReason:
+    """The reason a sequence that ran to its end stopped: the scheduler sets ``stop`` or
+    ``length`` (an expired or aborted one raises before its final event)."""
+    assert seq.finish_reason in ("stop", "length"), seq.finish_reason
+    return cast(FinishReason, seq.finish_reason)

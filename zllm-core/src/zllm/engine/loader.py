@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from zllm.capabilities import Capability
+from zllm.capabilities.backend import Backend
 from zllm.domain.family import FamilyInfo, model_kv_spec
 from zllm.domain.kv_cache import KVCacheSpec
 from zllm.kernels.bound import BoundOps
@@ -50,7 +51,7 @@ class LoadedModel:
     family_info: FamilyInfo
     spec: object
     backend_choice: BackendChoice
-    backend: object
+    backend: Backend
     ops: BoundOps
     model: object
     tokenizer: object
@@ -142,8 +143,10 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     weights = {k: _place(backend, v) for k, v in weights.items()}
     model = family.build(spec, weights, ops)
     tokenizer = ckpt.load_tokenizer()
-    blocks = cfg.runtime.kv_cache.num_blocks
-    if available is not None:
+    if available is None:
+        blocks = cfg.runtime.kv_cache.num_blocks
+        assert blocks is not None  # memory is queried exactly when the config leaves the size to it
+    else:
         blocks = auto_num_blocks(model_kv_spec(model), block_size=cfg.runtime.kv_cache.block_size,
                                  itemsize=kv_cache_dtype(cfg).itemsize, context_length=ctx,
                                  max_seqs=cfg.runtime.max_num_seqs + cfg.runtime.prefix_cache_seqs,

@@ -92,6 +92,14 @@ class BoundOps:
             return next(iter(kernels.values()))
         return _several_variants(decl.name, sorted(kernels))
 
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        """Reached only for an op this model did not bind (a family calling an op its
+        ``required_capabilities`` left out): an error naming the op and the bound ones."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        bound = sorted({op for op, _ in self.__dict__.get("_by_variant", {})})
+        raise AttributeError(f"op {name!r} is not bound for this model (bound ops: {', '.join(bound) or 'none'})")
+
     def variant(self, op: str, variant: str) -> Callable:
         """The kernel bound for ``op[variant]``.
 

@@ -161,21 +161,23 @@ class PluginHost:
     def _collect(self) -> None:
         by_name = {r.name: r for r in self.records}
         for impl in self.pm.hook.zllm_backends.get_hookimpls():
-            for info in impl.function() or []:
+            backends: list[BackendInfo] = impl.function() or []  # type: ignore[assignment]  # pluggy types results as object
+            for info in backends:
                 if info.name in self.backends:
                     raise PluginError(f"backend {info.name!r} is published by two plugins: {self._owner(info.name, 'backend')} and {impl.plugin_name}")
                 self.backends[info.name] = info
                 by_name[impl.plugin_name].kinds.append(f"backend:{info.name}")
         claimed: dict[str, str] = {}
         for impl in self.pm.hook.zllm_model_families.get_hookimpls():
-            for info in impl.function() or []:
-                for mt in info.model_types:
+            families: list[FamilyInfo] = impl.function() or []  # type: ignore[assignment]  # pluggy types results as object
+            for fam in families:
+                for mt in fam.model_types:
                     if mt in claimed:
-                        raise PluginError(f"model_type {mt!r} is claimed by families {claimed[mt]!r} and {info.name!r}")
-                    claimed[mt] = info.name
-                self.families[info.name] = info
-                by_name[impl.plugin_name].kinds.append(f"family:{info.name}")
-                self._collect_gguf_maps(info)
+                        raise PluginError(f"model_type {mt!r} is claimed by families {claimed[mt]!r} and {fam.name!r}")
+                    claimed[mt] = fam.name
+                self.families[fam.name] = fam
+                by_name[impl.plugin_name].kinds.append(f"family:{fam.name}")
+                self._collect_gguf_maps(fam)
 
     def _collect_gguf_maps(self, info: FamilyInfo) -> None:
         for arch, arch_map in info.gguf_architectures.items():

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
 from zllm.server import anthropic_messages, openai_chat, openai_completions, openai_responses
 from zllm.server.common import ServerState, state
@@ -35,7 +36,7 @@ def served_model_name(engine) -> str:
     return cfg.server.served_model_name or Path(cfg.model.path).stem
 
 
-def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> ASGIApp:
     """The HTTP app serving ``engine`` (a :class:`zllm.Engine`)."""
     app = FastAPI(title="zllm", summary="OpenAI- and Anthropic-compatible LLM inference", version="1")
     app.state.zllm = ServerState(engine, model_name or served_model_name(engine))

@@ -8,7 +8,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -18,6 +18,9 @@ from starlette.responses import StreamingResponse
 
 from zllm.server.errors import ANTHROPIC_PATHS, ApiError, error_body
 from zllm.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from zllm.server.openai_responses import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,10 @@ class ServerState:
             (``server.max_connections``) plus headroom, so no request waits for a thread.
         shutdown_deadline: :func:`time.monotonic` time at which a shutdown ends what is
             left, or None while serving.
+        responses: stored ``/v1/responses`` results (set by the app factory).
     """
+
+    responses: ResponseStore
 
     def __init__(self, engine, model_name: str):
         self.engine = engine

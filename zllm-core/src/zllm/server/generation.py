@@ -23,7 +23,7 @@ shutting down brings every deadline forward to the end of ``server.shutdown_time
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -89,8 +89,9 @@ class EngineStream:
             # Tokenized again by the engine on submit: the stream does not expose its
             # sequence, and Anthropic's message_start must report the prompt's length.
             stream.prompt_tokens = len(engine.prompt_ids(parsed))
-            stream._gen = engine.generate_stream(parsed, deadline=stream.deadline)
-            stream._first = next(stream._gen)
+            gen = engine.generate_stream(parsed, deadline=stream.deadline)
+            stream._gen = gen
+            stream._first = next(gen)
 
         try:
             await stream._in_thread(start)
@@ -135,7 +136,7 @@ class EngineStream:
             self._t_last_token = now
             self.token_ids.extend(event["token_ids"])
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """Every event, the ``final`` one last. The stream is closed when this ends,
         is cancelled or is abandoned.
 

@@ -56,7 +56,7 @@ def protocol_class(header_timeout_s: float, max_connections: int) -> type[H11Pro
 
             self.app = limited
 
-        def connection_made(self, transport):  # type: ignore[override]
+        def connection_made(self, transport):
             super().connection_made(transport)
             self._arm_header_timer()
 
@@ -123,6 +123,6 @@ def serve(app, host: str, port: int, *, log_level: str = "info", access_log: boo
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=access_log,
         http=protocol_class(cfg.header_timeout_s, cfg.max_connections),
-        timeout_graceful_shutdown=cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S,
     )
     Server(config, state, cfg.shutdown_timeout_s).run()
