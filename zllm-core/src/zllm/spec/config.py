@@ -347,6 +347,11 @@ class GenerationDefaults:
     add_bos: bool | None = _config_field(OPTIONAL_BOOL, None)
 
 
+TOOL_PARSER_FORMATS: tuple[str, ...] = ("harmony", "qwen3_coder", "hermes", "deepseek_v3", "mistral", "llama3_json")
+"""The chat formats whose tool calls zllm reads (zllm.engine.tool_parsers declares each)."""
+TOOL_PARSERS: tuple[str, ...] = ("auto", "none", *TOOL_PARSER_FORMATS)
+
+
 @attrs.frozen
 class ServerConfig:
     """``server:`` — ``zllm serve``.
@@ -360,12 +365,16 @@ class ServerConfig:
             it runs out the sequence is aborted and its KV blocks freed within one round,
             and the client gets a 408 (or a last ``error`` event once streaming).
             ``None`` = no limit.
+        tool_parser: how tool calls (and ``<think>`` reasoning) are read from a chat answer:
+            ``auto`` (the format the chat template names, see docs/server.md), ``none`` (answers
+            stay text), or a format: one of :data:`TOOL_PARSER_FORMATS`.
     """
 
     host: str = _config_field(NON_EMPTY_STR, "127.0.0.1")
     port: int = _config_field(PORT, 8000)
     served_model_name: str | None = _config_field(NON_EMPTY_STR.or_null(), None)
     request_timeout_s: float | None = _config_field(POSITIVE_NUMBER.or_null(), None, converter=to_float)
+    tool_parser: str = _config_field(_one_of(*TOOL_PARSERS), "auto")
 
 
 @attrs.frozen(kw_only=True)
