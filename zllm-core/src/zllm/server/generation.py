@@ -23,7 +23,7 @@ import anyio.to_thread
 
 from zllm.server.errors import ApiError
 from zllm.server.metrics import ServerMetrics
-from zllm.spec.errors import RequestError
+from zllm.spec.errors import RequestError, UnsupportedRequestError
 
 
 def request_error(exc: RequestError, renames: Mapping[str, str]) -> ApiError:
@@ -32,7 +32,8 @@ def request_error(exc: RequestError, renames: Mapping[str, str]) -> ApiError:
     message = str(exc)
     if exc.field and message.startswith(exc.field + ":"):
         message = field + message[len(exc.field):]
-    return ApiError(400, message, param=field or None, code="invalid_value")
+    code = "unsupported_parameter" if isinstance(exc, UnsupportedRequestError) else "invalid_value"
+    return ApiError(400, message, param=field or None, code=code)
 
 
 class EngineStream:
