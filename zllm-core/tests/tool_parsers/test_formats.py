@@ -59,7 +59,8 @@ GOLDEN = [
     pytest.param("hermes", "", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
                  ParsedOutput("", "", calls(("get_weather", '{"city": "Pa'))), id="hermes-cut-by-max-tokens"),
     pytest.param("hermes", THINK_TEMPLATE, '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n'
-                 '{"name": "get_weather", "arguments": {"city": "Oslo", "note": "a \\"quoted\\" } brace"}}\n</tool_call>',
+                 '{"name": "get_weather", "arguments": {"city": "Oslo", "note": "a \\"quoted\\" } brace"}}'
+                 '\n</tool_call>',
                  ParsedOutput("", "\nThe user wants weather.\n",
                               calls(("get_weather", '{"city": "Oslo", "note": "a \\"quoted\\" } brace"}'))),
                  id="qwen3-think-then-call"),
@@ -87,13 +88,15 @@ GOLDEN = [
     pytest.param("llama3_json", "", '{"answer": 42}', ParsedOutput('{"answer": 42}', "", ()), id="llama3-plain-json"),
     pytest.param("mistral", "", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                  '{"name": "get_time", "arguments": {}}]',
-                 ParsedOutput("", "", calls(("get_weather", '{"city": "Paris"}'), ("get_time", "{}"))), id="mistral-v3"),
+                 ParsedOutput("", "", calls(("get_weather", '{"city": "Paris"}'), ("get_time", "{}"))),
+                 id="mistral-v3"),
     pytest.param("mistral", "", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, {"a": "}"}]}'
                  '[TOOL_CALLS]get_time[ARGS]{}',
                  ParsedOutput("Sure.", "", calls(("get_weather", '{"city": "Paris", "days": [1, {"a": "}"}]}'),
                                                  ("get_time", "{}"))), id="mistral-v11"),
-    pytest.param("deepseek_v3", "", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-                 '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+    pytest.param("deepseek_v3", "", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                 'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n'
+                 "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n"
                  "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
                  ParsedOutput("Checking.", "", calls(("get_weather", '{"city": "Paris"}'), ("get_time", "{}"))),
                  id="deepseek-v3"),

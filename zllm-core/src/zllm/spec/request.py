@@ -57,11 +57,10 @@ one :func:`make_final_event`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
-
 import json
 import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 

@@ -1,7 +1,10 @@
 """OpenAI's harmony format (gpt-oss): every message has a header and a channel::
 
     <|channel|>analysis<|message|>The user wants the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+    {"city":"Paris"}<|call|>
+
+(one line in the output; wrapped here)
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
 ``analysis`` is reasoning, ``final`` (and ``commentary`` addressed to no one: preambles) is the
