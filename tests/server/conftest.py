@@ -7,6 +7,7 @@ before/after differences, so sharing them is safe.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -264,5 +265,130 @@ def tiny_chat_server(tmp_path_factory, tiny_chat) -> Server:
     """``tiny_chat`` served as ``tiny-chatml``."""
     srv = start_server(tmp_path_factory.mktemp("serve-tiny-chat"), tiny_chat.path,
                        server={"served_model_name": "tiny-chatml"})
+    yield srv
+    srv.stop()
+
+
+# ---------------------------------------------------------------- a tiny Qwen2 checkpoint that calls tools
+
+# Qwen2.5-Instruct's chat template (Apache-2.0, Qwen/Qwen2.5-0.5B-Instruct tokenizer_config.json):
+# tools in the system turn, <tool_call> blocks for assistant calls, tool results in a user turn.
+QWEN25_TOOL_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+
+# What the checkpoint answers to any conversation: two Hermes tool calls, the second with no
+# arguments. Each piece is one added token, so the greedy chain below can spell it.
+TOOL_ANSWER_PIECES = [
+    '<tool_call>\n{"name": "get_weather", "arguments": ',
+    '{"city": ',
+    '"Paris", "days": 3}',
+    "}\n</tool_call>",
+    '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+]
+TOOL_ANSWER_TEXT = "".join(TOOL_ANSWER_PIECES)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The current time.",
+                                              "parameters": {"type": "object", "properties": {}}}}
+
+
+class ToolChat:
+    """A Qwen2ForCausalLM whose weights make greedy decoding follow a fixed token chain.
+
+    Every layer's output projections (``o_proj``, ``down_proj``) are zero, so the last hidden
+    state is the current token's embedding; the embeddings of the chain's tokens are basis
+    vectors and ``lm_head`` maps each to its successor: the last token of the generation
+    prompt (``"\\n"`` after ``assistant``) → the :data:`TOOL_ANSWER_PIECES` tokens → ``<|im_end|>``.
+    So whatever the conversation, the model answers :data:`TOOL_ANSWER_TEXT` — real weights,
+    run by the real layer code (transformers' ``generate`` is checked to say the same).
+
+    Attributes:
+        path: the checkpoint directory (``save_pretrained`` of model and tokenizer).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+
+
+def build_tool_chat(dst: Path) -> ToolChat:
+    import torch
+    from transformers import AddedToken, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = build_chatml_tokenizer(dst)
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in TOOL_ANSWER_PIECES])
+    tok.chat_template = QWEN25_TOOL_TEMPLATE
+    tok.save_pretrained(dst)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True,
+                                     return_dict=True)["input_ids"]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    chain = [prompt[-1], *tok.convert_tokens_to_ids(TOOL_ANSWER_PIECES), eos]
+    hidden = 64
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for k, (cur, nxt) in enumerate(itertools.pairwise(chain)):
+            basis = torch.zeros(hidden)
+            basis[k] = 1.0
+            model.model.embed_tokens.weight[cur] = basis
+            model.lm_head.weight[nxt] = basis
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    assert tok.decode(out[0, len(prompt):], skip_special_tokens=True) == TOOL_ANSWER_TEXT
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(dst, safe_serialization=True)
+    return ToolChat(dst)
+
+
+@pytest.fixture(scope="session")
+def tool_chat(tmp_path_factory) -> ToolChat:
+    """The tool-calling Qwen2 checkpoint (see :class:`ToolChat`)."""
+    return build_tool_chat(tmp_path_factory.mktemp("tool-chat") / "tiny-qwen2-tools")
+
+
+@pytest.fixture(scope="session")
+def tool_chat_server(tmp_path_factory, tool_chat) -> Server:
+    """``tool_chat`` served as ``qwen2-tools``."""
+    srv = start_server(tmp_path_factory.mktemp("serve-tool-chat"), tool_chat.path,
+                       server={"served_model_name": "qwen2-tools"})
     yield srv
     srv.stop()

@@ -131,10 +131,10 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         ({**CHAT, "messages": "hi"}, "messages"),
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, "messages[0]"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, "messages[0].tool_call_id"),
         ({**CHAT, "n": 3}, "n"),
         ({**CHAT, "logprobs": True}, "logprobs"),
-        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
         ({**CHAT, "max_completion_tokens": 3}, "max_tokens"),  # both the field and its alias
         ({**CHAT, "model": "nope"}, "model"),

@@ -97,7 +97,7 @@ def test_previous_response_id_continues_the_conversation(client, chat_server):
 @pytest.mark.parametrize(
     ("kw", "param"),
     [({"input": []}, "input"), ({"max_output_tokens": 0}, "max_output_tokens"),
-     ({"temperature": -1}, "temperature"), ({"tools": [{"type": "web_search"}]}, "tools"),
+     ({"temperature": -1}, "temperature"), ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
      ({"reasoning": {"effort": "high"}}, "reasoning"),
      ({"text": {"format": {"type": "json_object"}}}, "text.format")],
 )

@@ -21,6 +21,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RotaryEmbedding,
 )
+
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.domain.mla import (
     MlaConfig,

@@ -25,6 +25,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import (
     Qwen2MoeSparseMoeBlock,
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
 from zllm.domain.moe import (
     RouterConfig,
     SharedExperts,

@@ -245,6 +245,9 @@ def test_make_response() -> None:
         "text": "Hello",
         "token_ids": [9, 10],
         "finish_reason": "length",
+        "content": "Hello",
+        "reasoning_content": "",
+        "tool_calls": [],
         "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "cached_tokens": 3},
     }
     assert json.loads(json.dumps(resp)) == resp
@@ -252,12 +255,15 @@ def test_make_response() -> None:
 
 def test_stream_events() -> None:
     deltas = [make_delta_event("Hel", [1]), make_delta_event("", [2]), make_delta_event("lo", (3,))]
-    final = make_final_event("stop", prompt_tokens=2, completion_tokens=3, cached_tokens=0)
+    final = make_final_event("stop", prompt_tokens=2, completion_tokens=3, cached_tokens=0, content="Hello")
     assert all(d["type"] == "delta" for d in deltas) and deltas[2]["token_ids"] == [3]
-    assert "".join(d["text"] for d in deltas) == "Hello"
+    assert "".join(d["text"] for d in deltas) == "Hello" == "".join(d["content"] for d in deltas)
     assert final == {
         "type": "final",
         "finish_reason": "stop",
+        "content": "Hello",
+        "reasoning_content": "",
+        "tool_calls": [],
         "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "cached_tokens": 0},
     }
     assert json.loads(json.dumps([*deltas, final])) == [*deltas, final]

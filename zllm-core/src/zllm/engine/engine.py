@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from zllm.domain.family import model_kv_spec
+from zllm.engine.chat_output import ChatAnswer, output_parser
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
+from zllm.engine.tool_parsers import resolve_format
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
@@ -68,6 +70,8 @@ class Engine:
         )
         self._lock = threading.Lock()
         self._queues: dict[int, deque[StepOutput]] = {}
+        self.tool_format = resolve_format(cfg.server.tool_parser, loaded.tokenizer.chat_template)
+        """The chat format tool calls are read in (``server.tool_parser``), or None."""
 
     @classmethod
     def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *, host: PluginHost | None = None,
@@ -109,11 +113,13 @@ class Engine:
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         """The prompt's token ids: given, encoded from ``prompt``, or ``messages`` rendered by
-        the model's chat template with its generation prompt (:func:`zllm.tokenizer.render_chat`).
+        the model's chat template with its generation prompt and the request's ``tools``
+        (:func:`zllm.tokenizer.render_chat`).
 
         Raises:
             RequestError: ``messages`` for a model without a chat template (naming the
-                checkpoint), or a conversation the template rejects.
+                checkpoint), or a conversation the template rejects; ``tools`` /
+                ``messages[i].tool_calls`` when the template does not render them.
             CheckpointError: the chat template does not parse or the sandbox blocked it.
         """
         if req.prompt_token_ids is not None:
@@ -122,7 +128,7 @@ class Engine:
             if self.tokenizer.chat_template is None:
                 raise RequestError("messages", f"model has no chat template ({self.loaded.checkpoint.path})")
             return render_chat(self.tokenizer, [m.to_dict() for m in req.messages], add_generation_prompt=True,
-                               add_bos=req.add_bos)
+                               add_bos=req.add_bos, tools=req.tools or None)
         add = self.tokenizer.add_bos if req.add_bos is None else req.add_bos
         return self.tokenizer.encode(req.prompt, add_special_tokens=add)
 
@@ -179,30 +185,43 @@ class Engine:
         """Stream events: one per step that produced output (``text`` delta and
         ``token_ids``), then a final event with ``finish_reason`` and ``usage``.
         Closing the iterator early aborts the request and frees its KV cache.
+        A chat request's deltas carry its answer parsed (``content``, ``reasoning_content``,
+        ``tool_calls`` pieces) and the final event the whole of it; a last delta without
+        tokens may carry what the parser held back.
 
         Raises:
             DeadlineExceeded: from the iterator, once ``deadline`` (see :meth:`submit`) passed.
         """
-        seq = self.submit(request, deadline=deadline)
-        return self._stream_events(seq)
+        req = request if isinstance(request, GenerationRequest) else self.parse(request)
+        answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
+        seq = self.submit(req, deadline=deadline)
+        return self._stream_events(seq, answer)
 
-    def _stream_events(self, seq: Sequence) -> Iterator[dict[str, Any]]:
+    def _stream_events(self, seq: Sequence, answer: ChatAnswer) -> Iterator[dict[str, Any]]:
         for out in self._outputs(seq):
             if out.text or out.token_ids:
-                yield make_delta_event(out.text, list(out.token_ids))
-        yield make_final_event(_finish_reason(seq), len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+                yield make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text))
+        last = answer.delta("", final=True)
+        if last["content"] or last["reasoning_content"] or last["tool_calls"]:
+            yield make_delta_event("", [], **last)
+        yield make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids), len(seq.output_ids),
+                               seq.cached_tokens, **answer.whole())
 
     def generate(self, request: dict[str, Any] | GenerationRequest, *,
                  deadline: float | None = None) -> dict[str, Any]:
-        """Run a request to completion; return ``text``, ``token_ids``, ``finish_reason``, ``usage``.
+        """Run a request to completion; return ``text``, ``token_ids``, ``finish_reason``,
+        the parsed answer (``content``, ``reasoning_content``, ``tool_calls``) and ``usage``.
 
         Raises:
             DeadlineExceeded: ``deadline`` (see :meth:`submit`) passed first.
         """
-        seq = self.submit(request, deadline=deadline)
+        req = request if isinstance(request, GenerationRequest) else self.parse(request)
+        answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
+        seq = self.submit(req, deadline=deadline)
         text = "".join(out.text for out in self._outputs(seq))
-        return make_response(text, list(seq.output_ids), _finish_reason(seq), len(seq.prompt_ids),
-                             len(seq.output_ids), seq.cached_tokens)
+        answer.delta(text, final=True)
+        return make_response(text, list(seq.output_ids), answer.finish_reason(_finish_reason(seq)),
+                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens, **answer.whole())
 
 
 def _finish_reason(seq: Sequence) -> FinishReason:

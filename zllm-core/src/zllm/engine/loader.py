@@ -32,6 +32,7 @@ from zllm.spec.errors import (
     TensorError,
     UnknownArchitectureError,
 )
+from zllm.tokenizer import Tokenizer
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
 
@@ -54,7 +55,7 @@ class LoadedModel:
     backend: Backend
     ops: BoundOps
     model: object
-    tokenizer: object
+    tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     context_length: int
     load_seconds: float

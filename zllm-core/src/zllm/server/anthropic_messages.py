@@ -1,20 +1,27 @@
 """``POST /v1/messages`` — Anthropic Messages.
 
 https://docs.anthropic.com/en/api/messages and .../messages-streaming. ``system`` (a string
-or text blocks) becomes a leading system message of the engine's ``messages`` prompt form.
-Errors use Anthropic's shape (see :mod:`zllm.server.errors`). Field table: docs/server.md.
+or text blocks) becomes a leading system message of the engine's ``messages`` prompt form;
+``tool_use`` blocks become the assistant's ``tool_calls`` and ``tool_result`` blocks ``tool``
+messages; ``tools`` (client tools with an ``input_schema``) reach the chat template. The
+engine's parsed answer becomes ``thinking``, ``text`` and ``tool_use`` blocks (streamed with
+``thinking_delta``, ``text_delta`` and ``input_json_delta``). Errors use Anthropic's shape (see
+:mod:`zllm.server.errors`). Field table: docs/server.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
+from pydantic import Field
 from starlette.requests import Request
 
 from zllm.server.common import StrictModel, new_id, reject_if, sse, sse_response, state, stop_sequence_matched
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
+from zllm.spec.request import TOOL_NAME_PATTERN
 
 router = APIRouter()
 
@@ -26,9 +33,43 @@ class TextBlock(StrictModel):
     citations: list[dict[str, Any]] | None = None
 
 
+class ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None  # accepted: the template sees the result text either way
+    cache_control: dict[str, Any] | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
 class Message(StrictModel):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[Block]
+
+
+class Tool(StrictModel):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: str | None = None  # "custom" or absent; server tools (web_search_…) are rejected
+    cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class Metadata(StrictModel):
@@ -61,9 +102,9 @@ class MessagesRequest(StrictModel):
     diagnostics: dict[str, Any] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     # Rejected with a 400 naming the field.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     container: str | None = None
     mcp_servers: list[dict[str, Any]] | None = None
@@ -72,24 +113,96 @@ class MessagesRequest(StrictModel):
 RENAMES = {"prompt": "messages", "stop": "stop_sequences"}
 
 
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+def _text(content: str | list[Any]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, TextBlock))
+
+
+def engine_messages(body: MessagesRequest) -> list[dict[str, Any]]:
+    """The engine's ``messages``: ``tool_use`` blocks → the assistant's ``tool_calls``; each
+    ``tool_result`` block → a ``tool`` message, ahead of the user's text.
+
+    Raises:
+        ApiError: 400 naming ``messages[i].content`` for an empty list, or a block in the
+            wrong role's message.
+    """
+    if not body.messages:
+        raise ApiError(400, "messages: must hold at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    if body.system is not None:
+        out.append({"role": "system", "content": _text(body.system)})
+    open_calls: set[str] = set()
+    for i, m in enumerate(body.messages):
+        if m.content == []:
+            raise ApiError(400, f"messages[{i}].content: is an empty list; send text or content blocks",
+                           param=f"messages[{i}].content")
+        blocks = [] if isinstance(m.content, str) else m.content
+        for j, b in enumerate(blocks):
+            wrong = (m.role == "user" and isinstance(b, ToolUseBlock)) or \
+                (m.role == "assistant" and isinstance(b, ToolResultBlock))
+            if wrong:
+                raise ApiError(400, f"messages[{i}].content[{j}]: a {b.type} block cannot be in a {m.role} message",
+                               param=f"messages[{i}].content[{j}]")
+        for j, b in enumerate(blocks):
+            if isinstance(b, ToolResultBlock):
+                if b.tool_use_id not in open_calls:
+                    raise ApiError(400, f"messages[{i}].content[{j}].tool_use_id: {b.tool_use_id!r} answers no "
+                                        "tool_use block of the assistant message before it",
+                                   param=f"messages[{i}].content[{j}].tool_use_id")
+                open_calls.discard(b.tool_use_id)
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": "" if b.content is None else _text(b.content)})
+        text = _text(m.content)
+        calls: list[dict[str, Any]] = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in blocks if isinstance(b, ToolUseBlock)]
+        if m.role == "assistant":
+            open_calls = {c["id"] for c in calls}
+        if calls:
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            out.append({"role": m.role, "content": text})
+    return out
+
+
+def engine_tools(body: MessagesRequest) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` in the engine's terms."""
+    req: dict[str, Any] = {}
+    if body.tools:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if t.type not in (None, "custom"):
+                raise ApiError(400, f"tools[{i}].type: server tools ({t.type!r}) are not supported by zllm; "
+                                    "give client tools (name, description, input_schema)",
+                               param=f"tools[{i}].type", code="unsupported_parameter")
+            if not TOOL_NAME_PATTERN.fullmatch(t.name):
+                raise ApiError(400, f"tools[{i}].name: expected 1 to 64 letters, digits, '_' or '-' "
+                                    f"(^[a-zA-Z0-9_-]{{1,64}}$), got {t.name!r}", param=f"tools[{i}].name")
+            fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
+            if t.description is not None:
+                fn["description"] = t.description
+            tools.append({"type": "function", "function": fn})
+        req["tools"] = tools
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if choice.name is None:
+                raise ApiError(400, "tool_choice.name: required when tool_choice.type is 'tool'",
+                               param="tool_choice.name")
+            req["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            req["tool_choice"] = {"auto": "auto", "none": "none", "any": "required"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            req["parallel_tool_calls"] = False
+    return req
 
 
 def engine_request(body: MessagesRequest) -> dict[str, Any]:
-    for field in ("tools", "tool_choice", "container", "mcp_servers"):
+    for field in ("container", "mcp_servers"):
         reject_if(getattr(body, field), field)
     if body.output_config is not None:
         reject_if(body.output_config.format, "output_config.format")
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         reject_if(body.thinking, "thinking")
-    if not body.messages:
-        raise ApiError(400, "messages: must hold at least one message", param="messages")
-    messages = []
-    if body.system is not None:
-        messages.append({"role": "system", "content": _text(body.system)})
-    messages += [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-    req: dict[str, Any] = {"messages": messages, "max_tokens": body.max_tokens}
+    req: dict[str, Any] = {"messages": engine_messages(body), "max_tokens": body.max_tokens, **engine_tools(body)}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             req[name] = getattr(body, name)
@@ -98,9 +211,33 @@ def engine_request(body: MessagesRequest) -> dict[str, Any]:
     return req
 
 
+def content_blocks(final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The response's content: a ``thinking`` block for reasoning, a ``text`` block (always,
+    unless the answer is only tool calls), a ``tool_use`` block per call."""
+    blocks: list[dict[str, Any]] = []
+    if final["reasoning_content"]:
+        blocks.append({"type": "thinking", "thinking": final["reasoning_content"], "signature": ""})
+    if final["content"] or not final["tool_calls"]:
+        blocks.append({"type": "text", "text": final["content"]})
+    blocks += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": _input(c["arguments"])}
+               for c in final["tool_calls"]]
+    return blocks
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    # A call cut short by max_tokens has incomplete JSON; Anthropic's input must be an object.
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _stop_reason(finish_reason: str, stop_sequence: str | None) -> str:
     if finish_reason == "length":
         return "max_tokens"
+    if finish_reason == "tool_calls":
+        return "tool_use"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
@@ -118,7 +255,7 @@ async def messages(body: MessagesRequest, request: Request):
             if final["finish_reason"] == "stop" else None
         u = final["usage"]
         return {"id": mid, "type": "message", "role": "assistant", "model": body.model,
-                "content": [{"type": "text", "text": text}],
+                "content": content_blocks(final),
                 "stop_reason": _stop_reason(final["finish_reason"], matched), "stop_sequence": matched,
                 "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                           "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}}
@@ -129,6 +266,7 @@ async def messages(body: MessagesRequest, request: Request):
                  "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": 0, "output_tokens": 0}}
         first = True
+        blocks = _BlockStream()
         async for event in stream.events():
             if first:
                 # The prompt length is known once the request is queued; the first event
@@ -136,19 +274,17 @@ async def messages(body: MessagesRequest, request: Request):
                 first = False
                 start["usage"]["input_tokens"] = stream.prompt_tokens
                 yield sse({"type": "message_start", "message": start}, "message_start")
-                yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                          "content_block_start")
             if event["type"] == "delta":
-                if event["text"]:
-                    parts.append(event["text"])
-                    yield sse({"type": "content_block_delta", "index": 0,
-                               "delta": {"type": "text_delta", "text": event["text"]}}, "content_block_delta")
+                parts.append(event["text"])
+                for out in blocks.delta(event):
+                    yield out
                 continue
             text = "".join(parts)
             matched = stop_sequence_matched(st.engine, stops, text, stream.token_ids) \
                 if event["finish_reason"] == "stop" else None
             u = event["usage"]
-            yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            for out in blocks.close(last=True):
+                yield out
             yield sse({"type": "message_delta",
                        "delta": {"stop_reason": _stop_reason(event["finish_reason"], matched), "stop_sequence": matched},
                        "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}},
@@ -156,3 +292,49 @@ async def messages(body: MessagesRequest, request: Request):
             yield sse({"type": "message_stop"}, "message_stop")
 
     return sse_response(events(), stream, anthropic=True)
+
+
+class _BlockStream:
+    """Content-block events of a streamed answer: a block opens when its kind of text first
+    arrives (thinking, text, each tool_use) and closes when another kind starts."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        out.append(sse({"type": "content_block_start", "index": self.index, "content_block": block},
+                       "content_block_start"))
+        return out
+
+    def close(self, last: bool = False) -> list[str]:
+        out = []
+        if last and self.index < 0:  # an empty answer still has its (empty) text block
+            out += self._open("text", {"type": "text", "text": ""})
+        if self.kind is not None:
+            out.append(sse({"type": "content_block_stop", "index": self.index}, "content_block_stop"))
+            self.kind = None
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+    def delta(self, event: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if event["reasoning_content"]:
+            if self.kind != "thinking":
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": event["reasoning_content"]}))
+        if event["content"]:
+            if self.kind != "text":
+                out += self._open("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": event["content"]}))
+        for c in event["tool_calls"]:
+            if c["id"] is not None:
+                out += self._open("tool_use", {"type": "tool_use", "id": c["id"], "name": c["name"], "input": {}})
+            if c["arguments"]:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": c["arguments"]}))
+        return out

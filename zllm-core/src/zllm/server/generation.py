@@ -30,7 +30,7 @@ import anyio
 import anyio.to_thread
 
 from zllm.server.errors import ApiError
-from zllm.spec.errors import DeadlineExceeded, RequestError
+from zllm.spec.errors import DeadlineExceeded, RequestError, UnsupportedRequestError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -44,7 +44,8 @@ def request_error(exc: RequestError, renames: Mapping[str, str]) -> ApiError:
     message = str(exc)
     if exc.field and message.startswith(exc.field + ":"):
         message = field + message[len(exc.field):]
-    return ApiError(400, message, param=field or None, code="invalid_value")
+    code = "unsupported_parameter" if isinstance(exc, UnsupportedRequestError) else "invalid_value"
+    return ApiError(400, message, param=field or None, code=code)
 
 
 def arrival_time(request: Request) -> float:

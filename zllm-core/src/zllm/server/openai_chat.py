@@ -1,8 +1,10 @@
 """``POST /v1/chat/completions`` — OpenAI Chat Completions.
 
 https://platform.openai.com/docs/api-reference/chat. Messages are passed to the engine as
-its ``messages`` prompt form (``[{"role", "content"}]``); the model's chat template renders
-them. Field table: docs/server.md.
+its ``messages`` prompt form (``[{"role", "content"}]``, with ``tool_calls`` and
+``tool_call_id``); the model's chat template renders them and the request's ``tools``. The
+engine's parsed answer becomes ``message.content``, ``reasoning_content`` and ``tool_calls``
+(streamed as ``delta.tool_calls``). Field table: docs/server.md.
 """
 
 from __future__ import annotations
@@ -82,30 +84,46 @@ def message_text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def engine_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The engine's ``messages`` form; ``developer`` is the newer name of ``system``."""
+def engine_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The engine's ``messages`` form; ``developer`` is the newer name of ``system``.
+
+    Raises:
+        ApiError: 400 naming ``messages[i].content`` when it is missing, null or an empty
+            list (allowed only for an assistant message with ``tool_calls``), or the field
+            of a ``function`` message or ``audio``, which zllm does not support.
+    """
     if not messages:
         raise ApiError(400, "messages: must hold at least one message", param="messages", code="invalid_value")
     out = []
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function") or m.tool_calls or m.tool_call_id or m.function_call:
-            raise ApiError(400, f"messages[{i}]: tool and function messages are not supported by zllm",
-                           param=f"messages[{i}]", code="unsupported_parameter")
+        if m.role == "function" or m.function_call:
+            raise ApiError(400, f"messages[{i}]: function messages (the deprecated form of tools) are not supported "
+                                "by zllm; use tools and tool messages", param=f"messages[{i}]",
+                           code="unsupported_parameter")
         if m.audio:
             raise ApiError(400, f"messages[{i}].audio: audio is not supported by zllm",
                            param=f"messages[{i}].audio", code="unsupported_parameter")
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)})
+        if (m.content is None or m.content == []) and not (m.role == "assistant" and m.tool_calls):
+            state_ = "an empty list" if m.content == [] else "missing or null"
+            raise ApiError(400, f"messages[{i}].content: is {state_}; every message but an assistant one with "
+                                "tool_calls needs content (a string or text parts)",
+                           param=f"messages[{i}].content", code="invalid_value")
+        item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                "content": None if m.content is None else message_text(m.content)}
+        if m.tool_calls:
+            item["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None or m.role == "tool":
+            item["tool_call_id"] = m.tool_call_id
+        out.append(item)
     return out
 
 
 def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
     if body.n not in (None, 1):
         raise ApiError(400, "n: only n = 1 is supported", param="n", code="unsupported_parameter")
-    for field in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "response_format",
+    for field in ("logprobs", "top_logprobs", "logit_bias", "functions", "function_call", "response_format",
                   "reasoning_effort", "audio", "prediction", "web_search_options"):
         reject_if(getattr(body, field), field)
-    if body.tool_choice not in (None, "none", "auto"):
-        reject_if(body.tool_choice, "tool_choice")
     if body.modalities not in (None, ["text"]):
         reject_if(body.modalities, "modalities", "only [\"text\"]")
     if body.max_completion_tokens is not None and body.max_tokens is not None:
@@ -113,6 +131,10 @@ def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
                        param="max_tokens", code="invalid_value")
     req = body.engine_fields()
     req["messages"] = engine_messages(body.messages)
+    # The engine checks tools and tool_choice (names, known tool, constrained decoding).
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        if getattr(body, field) is not None:
+            req[field] = getattr(body, field)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if limit is not None:
         req["max_tokens"] = limit
@@ -129,9 +151,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     cid, created = new_id("chatcmpl-"), int(time.time())
 
     if not body.stream:
-        text, final = await run_to_end(stream, request)
+        _, final = await run_to_end(stream, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                "choices": [{"index": 0, "message": assistant_message(final),
                              "finish_reason": final["finish_reason"], "logprobs": None}],
                 "usage": openai_usage(final)}
 
@@ -149,9 +171,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                           "logprobs": None}]))
         async for event in stream.events():
             if event["type"] == "delta":
-                if event["text"]:
-                    yield sse(chunk([{"index": 0, "delta": {"content": event["text"]}, "finish_reason": None,
-                                      "logprobs": None}]))
+                delta = stream_delta(event)
+                if delta:
+                    yield sse(chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]))
                 continue
             yield sse(chunk([{"index": 0, "delta": {}, "finish_reason": event["finish_reason"], "logprobs": None}]))
             if include_usage:
@@ -159,3 +181,37 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         yield sse("[DONE]")
 
     return sse_response(events(), stream)
+
+
+def assistant_message(final: dict[str, Any]) -> dict[str, Any]:
+    """The response's ``message`` from the engine's final event (``content`` null when the
+    answer is only tool calls, as OpenAI sends it)."""
+    calls = final["tool_calls"]
+    message: dict[str, Any] = {"role": "assistant", "content": final["content"] or (None if calls else ""),
+                               "refusal": None}
+    if final["reasoning_content"]:
+        message["reasoning_content"] = final["reasoning_content"]  # vLLM's field for reasoning models
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return message
+
+
+def stream_delta(event: dict[str, Any]) -> dict[str, Any]:
+    """A chunk's ``delta`` from an engine delta event: the first piece of a tool call carries
+    ``index``, ``id``, ``type`` and the name; later ones ``index`` and argument text."""
+    delta: dict[str, Any] = {}
+    if event["reasoning_content"]:
+        delta["reasoning_content"] = event["reasoning_content"]
+    if event["content"]:
+        delta["content"] = event["content"]
+    calls = []
+    for c in event["tool_calls"]:
+        if c["id"] is not None:
+            calls.append({"index": c["index"], "id": c["id"], "type": "function",
+                          "function": {"name": c["name"], "arguments": c["arguments"]}})
+        elif c["arguments"]:
+            calls.append({"index": c["index"], "function": {"arguments": c["arguments"]}})
+    if calls:
+        delta["tool_calls"] = calls
+    return delta

@@ -21,7 +21,7 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       batch_invariant: false
     generation: {prompt: "", max_new_tokens: 256, temperature: 0.0, ...}
     server: {host: 127.0.0.1, port: 8000, served_model_name: null, request_timeout_s: null,
-             shutdown_timeout_s: 5.0, header_timeout_s: 10.0, max_connections: 256}
+             shutdown_timeout_s: 5.0, header_timeout_s: 10.0, max_connections: 256, tool_parser: auto}
 
 Files are read with ruamel.yaml, migrated to :data:`SCHEMA_VERSION` by
 :mod:`zllm.spec.migrations`, structured into frozen attrs classes by cattrs, and validated by
@@ -349,6 +349,11 @@ class GenerationDefaults:
     add_bos: bool | None = _config_field(OPTIONAL_BOOL, None)
 
 
+TOOL_PARSER_FORMATS: tuple[str, ...] = ("harmony", "qwen3_coder", "hermes", "deepseek_v3", "mistral", "llama3_json")
+"""The chat formats whose tool calls zllm reads (zllm.engine.tool_parsers declares each)."""
+TOOL_PARSERS: tuple[str, ...] = ("auto", "none", *TOOL_PARSER_FORMATS)
+
+
 @attrs.frozen
 class ServerConfig:
     """``server:`` — ``zllm serve``.
@@ -370,6 +375,9 @@ class ServerConfig:
             slower connections are closed (slowloris).
         max_connections: open connections (streaming or not, idle keep-alive ones too) at
             once; a request arriving over it gets a 503.
+        tool_parser: how tool calls (and ``<think>`` reasoning) are read from a chat answer:
+            ``auto`` (the format the chat template names, see docs/server.md), ``none`` (answers
+            stay text), or a format: one of :data:`TOOL_PARSER_FORMATS`.
     """
 
     host: str = _config_field(NON_EMPTY_STR, "127.0.0.1")
@@ -379,6 +387,7 @@ class ServerConfig:
     shutdown_timeout_s: float = _config_field(NON_NEGATIVE_NUMBER, 5.0, converter=to_float)
     header_timeout_s: float = _config_field(POSITIVE_NUMBER, 10.0, converter=to_float)
     max_connections: int = _config_field(POSITIVE_INT, 256)
+    tool_parser: str = _config_field(_one_of(*TOOL_PARSERS), "auto")
 
 
 @attrs.frozen(kw_only=True)

@@ -28,6 +28,10 @@ class RequestError(ZllmError):
         super().__init__(f"{field}: {message}" if field else message)
 
 
+class UnsupportedRequestError(RequestError):
+    """A valid request asks for something zllm does not do (yet); ``field`` names it."""
+
+
 class ContextLengthError(RequestError):
     """The prompt does not fit in the model's context window (with ``generating``, it must
     also leave room for one generated token)."""

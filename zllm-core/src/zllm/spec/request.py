@@ -14,6 +14,13 @@ prompt_token_ids       non-empty list of ints >= 0        prompt_token_ids and m
 messages               non-empty list of {role, content}  is required)
                        objects: role one of system, user,
                        assistant, tool; content a string
+                       (null only for an assistant message
+                       with tool_calls); see below
+tools                  list of function tools (below)     — (none)
+tool_choice            "auto" or "none" ("required" and   — ("auto")
+                       a named function need constrained
+                       decoding: rejected for now)
+parallel_tool_calls    bool; false keeps the first call   — (true)
 max_tokens             int >= 1                           max_new_tokens
 temperature            number >= 0; 0 = greedy            temperature
 top_p                  number in (0, 1]                   top_p
@@ -33,7 +40,15 @@ ignore_eos             bool; true = EOS ids do not stop  — (false)
 
 ``messages`` is a conversation that the model's chat template turns into the prompt (the
 engine ends it with the template's generation prompt); special-token text inside a message's
-content stays plain text. ``true``/``false`` are never accepted as numbers. Streaming is not a request field: the
+content stays plain text. ``true``/``false`` are never accepted as numbers.
+
+Tools follow OpenAI's shape: ``{"type": "function", "function": {"name", "description",
+"parameters", "strict"}}``, the name matching :data:`TOOL_NAME_PATTERN`, ``parameters`` a JSON
+schema object. The chat template renders them (``tools=``). An assistant message may carry
+``tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments"}}]``,
+``arguments`` a JSON object or its JSON text); a ``tool`` message answers one of them by
+``tool_call_id``, after the assistant message that made the call and before the next
+assistant message. Streaming is not a request field: the
 caller picks it by API (``Engine.generate`` vs ``Engine.generate_stream``, SSE vs plain HTTP).
 
 A result is :func:`make_response`; a stream is :func:`make_delta_event` events followed by
@@ -42,6 +57,8 @@ one :func:`make_final_event`.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -66,13 +83,17 @@ from zllm.spec.config import (
     to_tuple,
     unknown_name_message,
 )
-from zllm.spec.errors import RequestError
+from zllm.spec.errors import RequestError, UnsupportedRequestError
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 """``stop``: a stop string, stop token or EOS ended generation; ``length``: ``max_tokens``
-or the context window did."""
+or the context window did; ``tool_calls``: the answer ended with tool calls (a request with
+``tools``)."""
 
-FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "tool_calls")
+
+TOOL_NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""Function names OpenAI and Anthropic accept (``^[a-zA-Z0-9_-]{1,64}$``)."""
 
 PROMPT_TOKEN_IDS = Check(
     "a non-empty list of token ids (ints >= 0)", lambda v: TOKEN_IDS.ok(v) and len(v) > 0
@@ -92,49 +113,192 @@ def _request_field(check: Check, default: Any = attrs.NOTHING, converter: Callab
 BOOL = Check("true or false", lambda v: isinstance(v, bool))
 
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
-_MESSAGE_KEYS = ("role", "content")
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
+_TOOL_KEYS = ("type", "function")
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+_CALL_KEYS = ("id", "type", "function")
+_CALL_FUNCTION_KEYS = ("name", "arguments")
+
+
+@attrs.frozen
+class ToolCallRecord:
+    """A tool call of an earlier assistant turn: ``arguments`` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_dict(self) -> dict[str, Any]:
+        # HF chat templates read arguments as a mapping (``tool_call.arguments | tojson``).
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.loads(self.arguments)}}
 
 
 @attrs.frozen
 class ChatMessage:
-    """One message of a conversation: ``role`` in :data:`CHAT_ROLES`, text ``content``."""
+    """One message of a conversation: ``role`` in :data:`CHAT_ROLES`, text ``content`` (None
+    only for an assistant message with ``tool_calls``), the calls an assistant made, the call
+    a ``tool`` message answers."""
 
     role: str
-    content: str
+    content: str | None
+    tool_calls: tuple[ToolCallRecord, ...] = ()
+    tool_call_id: str | None = None
 
-    def to_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def to_dict(self) -> dict[str, Any]:
+        """The message as chat templates see it (HF's shape)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _check_keys(m: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in m:
+        if key not in allowed:
+            raise RequestError(f"{where}.{key}", unknown_name_message("key", key, allowed))
+
+
+def _object(v: Any, where: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise RequestError(where, f"expected {what}, got {_short(v)}")
+    return v
+
+
+def _function_name(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not TOOL_NAME_PATTERN.fullmatch(v):
+        raise RequestError(where, f"expected a function name of 1 to 64 letters, digits, '_' or '-' "
+                                  f"(^[a-zA-Z0-9_-]{{1,64}}$), got {_short(v)}")
+    return v
+
+
+def _to_tool_call(v: Any, where: str) -> ToolCallRecord:
+    m = _object(v, where, "a tool call object {id, type, function}")
+    _check_keys(m, _CALL_KEYS, where)
+    if not isinstance(m.get("id"), str) or not m["id"]:
+        raise RequestError(f"{where}.id", f"expected a non-empty string, got {_short(m.get('id'))}")
+    if m.get("type", "function") != "function":
+        raise RequestError(f"{where}.type", f"expected 'function', got {_short(m.get('type'))}")
+    fn = _object(m.get("function"), f"{where}.function", "an object {name, arguments}")
+    _check_keys(fn, _CALL_FUNCTION_KEYS, f"{where}.function")
+    name = _function_name(fn.get("name"), f"{where}.function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError as exc:
+            raise RequestError(f"{where}.function.arguments", f"is not valid JSON: {exc}") from None
+    else:
+        parsed = args
+    if not isinstance(parsed, Mapping):
+        raise RequestError(f"{where}.function.arguments", f"expected a JSON object, got {_short(parsed)}")
+    return ToolCallRecord(m["id"], name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _to_message(m: Any, i: int) -> ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping):
+        raise RequestError(where, f"expected an object with role and content, got {_short(m)}")
+    _check_keys(m, _MESSAGE_KEYS, where)
+    if "role" not in m:
+        raise RequestError(f"{where}.role", "is required")
+    if m["role"] not in CHAT_ROLES:
+        raise RequestError(f"{where}.role", f"expected one of {', '.join(CHAT_ROLES)}, got {_short(m['role'])}")
+    role = m["role"]
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None and role != "assistant":
+        raise RequestError(f"{where}.tool_calls", f"only assistant messages make tool calls, not {role!r} ones")
+    if raw_calls is not None and (not isinstance(raw_calls, (list, tuple)) or not raw_calls):
+        raise RequestError(f"{where}.tool_calls", f"expected a non-empty list of tool calls, got {_short(raw_calls)}")
+    tool_calls = tuple(_to_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(raw_calls or ()))
+    if "content" not in m:
+        raise RequestError(f"{where}.content", "is required")
+    content = m["content"]
+    if content is None and not tool_calls:
+        raise RequestError(f"{where}.content", "is null; only an assistant message with tool_calls may have no content")
+    if content is not None and not STR.ok(content):
+        raise RequestError(f"{where}.content", STR.describe_failure(content))
+    call_id = m.get("tool_call_id")
+    if role == "tool" and not (isinstance(call_id, str) and call_id):
+        raise RequestError(f"{where}.tool_call_id", "is required for a tool message: the id of the call it answers")
+    if call_id is not None and role != "tool":
+        raise RequestError(f"{where}.tool_call_id", f"only tool messages answer tool calls, not {role!r} ones")
+    return ChatMessage(role, content, tool_calls, call_id)
+
+
+def _check_tool_answers(messages: tuple[ChatMessage, ...]) -> None:
+    """Every tool message answers a call of the latest assistant message, once."""
+    open_calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            open_calls = {c.id for c in m.tool_calls}
+        elif m.role == "tool":
+            if m.tool_call_id not in open_calls:
+                raise RequestError(f"messages[{i}].tool_call_id",
+                                   f"{m.tool_call_id!r} answers no open tool call: a tool message must follow the "
+                                   "assistant message whose tool_calls has that id, once")
+            open_calls.discard(m.tool_call_id)
 
 
 def _to_messages(v: Any) -> Any:
     """Check a ``messages`` value and turn it into a tuple of :class:`ChatMessage`.
 
     Raises:
-        RequestError: naming ``messages``, ``messages[i]`` or ``messages[i].key``.
+        RequestError: naming ``messages``, ``messages[i]`` or ``messages[i].key`` (down to
+            ``messages[i].tool_calls[j].function.arguments``).
     """
     if v is None or (isinstance(v, tuple) and all(isinstance(m, ChatMessage) for m in v) and v):
         return v
     if not isinstance(v, (list, tuple)) or not v:
         raise RequestError("messages", f"expected a non-empty list of {{role, content}} objects, got {_short(v)}")
-    out = []
-    for i, m in enumerate(v):
-        if isinstance(m, ChatMessage):
-            out.append(m)
-            continue
-        if not isinstance(m, Mapping):
-            raise RequestError(f"messages[{i}]", f"expected an object with role and content, got {_short(m)}")
-        for key in m:
-            if key not in _MESSAGE_KEYS:
-                raise RequestError(f"messages[{i}].{key}", unknown_name_message("key", key, _MESSAGE_KEYS))
-        for key in _MESSAGE_KEYS:
-            if key not in m:
-                raise RequestError(f"messages[{i}].{key}", "is required")
-        if m["role"] not in CHAT_ROLES:
-            raise RequestError(f"messages[{i}].role", f"expected one of {', '.join(CHAT_ROLES)}, got {_short(m['role'])}")
-        if not STR.ok(m["content"]):
-            raise RequestError(f"messages[{i}].content", STR.describe_failure(m["content"]))
-        out.append(ChatMessage(m["role"], m["content"]))
+    out = tuple(m if isinstance(m, ChatMessage) else _to_message(m, i) for i, m in enumerate(v))
+    _check_tool_answers(out)
+    return out
+
+
+def _to_tools(v: Any) -> Any:
+    """Check ``tools`` and return them as a tuple of ``{"type": "function", "function": {...}}``.
+
+    Raises:
+        RequestError: naming ``tools``, ``tools[i]`` or ``tools[i].function.name`` (a name
+            outside :data:`TOOL_NAME_PATTERN` or given twice).
+    """
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)):
+        raise RequestError("tools", f"expected a list of function tools, got {_short(v)}")
+    out, names = [], set()
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        t = _object(t, where, "a tool object {type: 'function', function}")
+        _check_keys(t, _TOOL_KEYS, where)
+        if t.get("type") != "function":
+            raise RequestError(f"{where}.type", f"expected 'function' (the only tool type zllm runs), "
+                                                f"got {_short(t.get('type'))}")
+        fn = _object(t.get("function"), f"{where}.function", "an object {name, description, parameters}")
+        _check_keys(fn, _FUNCTION_KEYS, f"{where}.function")
+        name = _function_name(fn.get("name"), f"{where}.function.name")
+        if name in names:
+            raise RequestError(f"{where}.function.name", f"{name!r} names two tools")
+        names.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise RequestError(f"{where}.function.description", f"expected a string, got {_short(fn['description'])}")
+        if fn.get("parameters") is not None:
+            _object(fn["parameters"], f"{where}.function.parameters", "a JSON schema object")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise RequestError(f"{where}.function.strict", f"expected true or false, got {_short(fn['strict'])}")
+        out.append({"type": "function", "function": {k: fn[k] for k in _FUNCTION_KEYS if fn.get(k) is not None}})
     return tuple(out)
+
+
+TOOL_CHOICE = Check(
+    "'auto', 'none', 'required' or {type: 'function', function: {name}}",
+    lambda v: v in ("auto", "none", "required")
+    or (isinstance(v, Mapping) and v.get("type") == "function" and isinstance(v.get("function"), Mapping)
+        and isinstance(v["function"].get("name"), str)),
+)
 
 
 def _short(v: Any) -> str:
@@ -165,6 +329,9 @@ class GenerationRequest:
     prompt: str | None = _request_field(STR.or_null(), None)
     prompt_token_ids: tuple[int, ...] | None = _request_field(PROMPT_TOKEN_IDS.or_null(), None, converter=to_tuple)
     messages: tuple[ChatMessage, ...] | None = attrs.field(default=None, converter=_to_messages)
+    tools: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_to_tools)
+    tool_choice: Any = _request_field(TOOL_CHOICE, "auto")
+    parallel_tool_calls: bool = _request_field(BOOL, True)
     max_tokens: int = _request_field(POSITIVE_INT)
     temperature: float = _request_field(TEMPERATURE, converter=to_float)
     top_p: float = _request_field(TOP_P, converter=to_float)
@@ -187,6 +354,26 @@ class GenerationRequest:
             raise RequestError(
                 "prompt", f"give exactly one of prompt (a string), prompt_token_ids or messages; {got}"
             )
+        self._check_tool_choice()
+
+    def _check_tool_choice(self) -> None:
+        if self.tool_choice in ("auto", "none"):
+            return
+        if not self.tools:
+            raise RequestError("tool_choice", f"{_short(self.tool_choice)} needs tools, and the request has none")
+        if isinstance(self.tool_choice, Mapping):
+            name = self.tool_choice["function"]["name"]
+            known = [t["function"]["name"] for t in self.tools]
+            if name not in known:
+                raise RequestError("tool_choice", unknown_name_message("tool", name, known))
+        raise UnsupportedRequestError(
+            "tool_choice", "forcing a tool call (required, any, or a named tool) needs constrained decoding, which "
+            "zllm does not do yet; use 'auto' or 'none'")
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether tool calls in the answer are read as calls (tools given, choice not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 _PROMPT_FORMS = ("prompt", "prompt_token_ids", "messages")
@@ -208,7 +395,8 @@ _DEFAULTED_FIELDS = {
 }
 _ALIASES = {"add_special_tokens": "add_bos"}  # vLLM's and HF's name for the same switch
 _ACCEPTED_FIELDS = tuple(f.name for f in attrs.fields(GenerationRequest)) + tuple(_ALIASES)
-assert set(_DEFAULTED_FIELDS) | {*_PROMPT_FORMS, "ignore_eos"} == {f.name for f in attrs.fields(GenerationRequest)}
+assert set(_DEFAULTED_FIELDS) | {*_PROMPT_FORMS, "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"} == {
+    f.name for f in attrs.fields(GenerationRequest)}
 
 
 def parse_request(data: Mapping[str, Any], defaults: GenerationDefaults) -> GenerationRequest:
@@ -255,6 +443,12 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
     }
 
 
+def _answer(text: str, content: str | None, reasoning_content: str,
+            tool_calls: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+    return {"content": text if content is None else content, "reasoning_content": reasoning_content,
+            "tool_calls": [dict(c) for c in tool_calls]}
+
+
 def make_response(
     text: str,
     token_ids: Sequence[int],
@@ -262,54 +456,72 @@ def make_response(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int,
+    *,
+    content: str | None = None,
+    reasoning_content: str = "",
+    tool_calls: Sequence[Mapping[str, str]] = (),
 ) -> dict[str, Any]:
     """The JSON result of a finished, non-streamed request.
 
     Args:
         text: the generated text (stop string excluded).
         token_ids: the generated token ids.
-        finish_reason: ``"stop"`` or ``"length"``.
+        finish_reason: ``"stop"``, ``"length"`` or ``"tool_calls"``.
         prompt_tokens: tokens in the prompt, >= 0.
         completion_tokens: tokens generated, >= 0.
         cached_tokens: prompt tokens whose KV came from the prefix cache, 0..prompt_tokens.
+        content: the answer part of ``text`` (a chat answer without its reasoning and tool
+            calls); None = all of ``text``.
+        reasoning_content: the ``<think>`` (or analysis-channel) text, "" for none.
+        tool_calls: ``{"id", "name", "arguments"}`` per call, ``arguments`` JSON text.
 
     Returns:
-        ``{"text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
-        "completion_tokens", "total_tokens", "cached_tokens"}}``.
+        ``{"text", "token_ids", "finish_reason", "content", "reasoning_content", "tool_calls",
+        "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"}}``.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
         "text": text,
         "token_ids": list(token_ids),
         "finish_reason": finish_reason,
+        **_answer(text, content, reasoning_content, tool_calls),
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
-def make_delta_event(text: str, token_ids: Sequence[int]) -> dict[str, Any]:
+def make_delta_event(text: str, token_ids: Sequence[int], *, content: str | None = None, reasoning_content: str = "",
+                     tool_calls: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """A stream event carrying newly generated text and the token ids behind it.
 
     ``text`` may be empty while a multi-byte character is incomplete; concatenating every
-    delta's ``text`` gives the final text.
+    delta's ``text`` gives the final text. ``content``, ``reasoning_content`` and
+    ``tool_calls`` are the same text parsed (a chat request's answer, reasoning and
+    ``{"index", "id", "name", "arguments"}`` call pieces: ``id`` and ``name`` on a call's
+    first piece only, else None; ``arguments`` fragments concatenate); ``content`` None =
+    ``text``. A parser may hold text back, so a delta's ``content`` can lag its ``text``.
 
     Returns:
-        ``{"type": "delta", "text", "token_ids"}``.
+        ``{"type": "delta", "text", "token_ids", "content", "reasoning_content", "tool_calls"}``.
     """
-    return {"type": "delta", "text": text, "token_ids": list(token_ids)}
+    return {"type": "delta", "text": text, "token_ids": list(token_ids),
+            **_answer(text, content, reasoning_content, tool_calls)}
 
 
 def make_final_event(
-    finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *,
+    content: str = "", reasoning_content: str = "", tool_calls: Sequence[Mapping[str, str]] = (),
 ) -> dict[str, Any]:
-    """The last event of a stream (arguments as in :func:`make_response`).
+    """The last event of a stream (arguments as in :func:`make_response`; ``content``,
+    ``reasoning_content`` and ``tool_calls`` are the whole answer, as the deltas add up to).
 
     Returns:
-        ``{"type": "final", "finish_reason", "usage": {...}}``, ``usage`` as in
-        :func:`make_response`.
+        ``{"type": "final", "finish_reason", "content", "reasoning_content", "tool_calls",
+        "usage": {...}}``, ``usage`` as in :func:`make_response`.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
         "type": "final",
         "finish_reason": finish_reason,
+        **_answer(content, None, reasoning_content, tool_calls),
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }

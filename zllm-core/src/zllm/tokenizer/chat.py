@@ -7,8 +7,12 @@ rendered the way HF transformers renders them (``utils/chat_template_utils.py``,
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the
 ``loopcontrols`` extension, a ``tojson`` filter that does not HTML-escape, the globals
 ``raise_exception``, ``strftime_now``, ``dict`` and a ``namespace`` that refuses underscore
-names, and the variables ``messages``, ``add_generation_prompt``, ``tools``/``documents``
-(``None``), ``bos_token`` and ``eos_token``. The sandbox refuses attribute access to Python
+names, and the variables ``messages``, ``add_generation_prompt``, ``tools`` (the request's
+function tools, or ``None``), ``documents`` (``None``), ``bos_token`` and ``eos_token``. Messages
+are HF's shape: ``content`` may be None for an assistant turn with ``tool_calls``
+(``[{"id", "type", "function": {"name", "arguments": {...}}}]``), and a ``tool`` message carries
+``tool_call_id``. A template that ignores the tools or tool calls it is given (the output is the
+same without them) cannot serve them, and the request is refused naming the field. The sandbox refuses attribute access to Python
 internals (``''.__class__``), so a template cannot escape to Python.
 
 Tokenizing the rendered text (:func:`render_chat`):
@@ -123,13 +127,33 @@ def _template_source(tokenizer: Tokenizer, template_name: str | None) -> str:
 def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        ok_content = isinstance(content, str) or (content is None and bool(m.get("tool_calls")))
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not ok_content:
             raise RequestError(f"messages[{i}]", "expected an object with string 'role' and 'content'")
         out.append(dict(m))
     return out
 
 
-def _render(tokenizer: Tokenizer, source: str, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def _check_renders_tools(tokenizer: Tokenizer, source: str, messages: list[dict[str, Any]],
+                         tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool, text: str) -> None:
+    """Refuse tools or tool calls that the template drops (it renders the same without them)."""
+    if tools and _render(tokenizer, source, messages, add_generation_prompt, None) == text:
+        raise RequestError("tools", f"the chat template of {tokenizer.source} does not render tools; serve a model "
+                                    "whose template does, or send the request without tools")
+    with_calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+    if with_calls:
+        stripped = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        for m in stripped:
+            if m.get("content") is None:
+                m["content"] = ""
+        if _render(tokenizer, source, stripped, add_generation_prompt, tools) == text:
+            raise RequestError(f"messages[{with_calls[0]}].tool_calls",
+                               f"the chat template of {tokenizer.source} does not render tool calls")
+
+
+def _render(tokenizer: Tokenizer, source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     try:
         template = compile_template(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -137,7 +161,7 @@ def _render(tokenizer: Tokenizer, source: str, messages: list[dict[str, Any]], a
     try:
         return template.render(
             messages=messages,
-            tools=None,
+            tools=[dict(t) for t in tools] if tools else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             bos_token=tokenizer.bos_token or "",
@@ -158,22 +182,29 @@ def render_chat_text(
     add_generation_prompt: bool = True,
     *,
     template_name: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a conversation, rendered by the model's chat template.
 
     Args:
         tokenizer: the model's tokenizer; its :attr:`~Tokenizer.chat_templates` are used.
-        messages: ``{"role": str, "content": str}`` objects, oldest first.
+        messages: ``{"role": str, "content": str}`` objects, oldest first (HF's tool-call
+            shape allowed, see the module docstring).
         add_generation_prompt: end with the template's "assistant turn starts" text.
         template_name: a named template; default ``"default"``.
+        tools: function tools (``{"type": "function", "function": {...}}``) for the template.
 
     Raises:
         RequestError: the model has no (such) template (field ``messages``); the template
-            rejects the conversation (``raise_exception``), the message named.
+            rejects the conversation (``raise_exception``), the message named; the template
+            drops the tools (``tools``) or tool calls (``messages[i].tool_calls``).
         CheckpointError: the template does not parse, or the sandbox blocked it.
     """
     source = _template_source(tokenizer, template_name)
-    return _render(tokenizer, source, _plain_messages(messages), add_generation_prompt)
+    plain = _plain_messages(messages)
+    text = _render(tokenizer, source, plain, add_generation_prompt, tools)
+    _check_renders_tools(tokenizer, source, plain, tools, add_generation_prompt, text)
+    return text
 
 
 def render_chat(
@@ -183,11 +214,12 @@ def render_chat(
     *,
     template_name: str | None = None,
     add_bos: bool | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation (see the module docstring for the rules).
 
     Args:
-        tokenizer, messages, add_generation_prompt, template_name: as :func:`render_chat_text`.
+        tokenizer, messages, add_generation_prompt, template_name, tools: as :func:`render_chat_text`.
         add_bos: prepend BOS unless the rendered prompt starts with it; ``None`` follows
             ``tokenizer.add_bos``.
 
@@ -198,13 +230,14 @@ def render_chat(
     """
     source = _template_source(tokenizer, template_name)
     plain = _plain_messages(messages)
-    text = _render(tokenizer, source, plain, add_generation_prompt)
+    text = _render(tokenizer, source, plain, add_generation_prompt, tools)
+    _check_renders_tools(tokenizer, source, plain, tools, add_generation_prompt, text)
     specials = [s for s in tokenizer.special_token_texts if s]
-    risky = [i for i, m in enumerate(plain) if any(s in m["content"] for s in specials)]
+    risky = [i for i, m in enumerate(plain) if m["content"] and any(s in m["content"] for s in specials)]
     if not risky:
         ids = tokenizer.encode(text, add_special_tokens=False, parse_special=True)
     else:
-        spans = _untrusted_spans(tokenizer, source, plain, risky, text, add_generation_prompt)
+        spans = _untrusted_spans(tokenizer, source, plain, risky, text, add_generation_prompt, tools)
         ids = tokenizer.encode_keeping_plain(text, spans)
     bos = tokenizer.bos_token_id
     if (tokenizer.add_bos if add_bos is None else add_bos) and bos is not None and ids[:1] != [bos]:
@@ -219,6 +252,7 @@ def _untrusted_spans(
     risky: list[int],
     text: str,
     add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
 ) -> list[tuple[int, int]]:
     """Character spans of ``text`` that come from the contents of the ``risky`` messages."""
     first = f"messages[{risky[0]}].content"
@@ -227,7 +261,7 @@ def _untrusted_spans(
     marked_messages = [dict(m) for m in messages]
     for i in risky:
         marked_messages[i]["content"] = _OPEN + messages[i]["content"] + _CLOSE
-    marked = _render(tokenizer, source, marked_messages, add_generation_prompt)
+    marked = _render(tokenizer, source, marked_messages, add_generation_prompt, tools)
     if marked.replace(_OPEN, "").replace(_CLOSE, "") != text:
         raise RequestError(
             first,
