@@ -15,7 +15,7 @@ whole model) and reports the GB/s and the tokens/s the linears alone would allow
 
 "torch" is what the backend ran before the native kernels: ``torch.nn.functional.linear``
 for f32, a matmul in the weight's dtype for f16/bf16 at ``T == 1`` (oneDNN), and the tiled
-decode-then-matmul kernel (``kernels.linear.linear_quant``) for Q8_0/Q4_0.
+decode-then-matmul kernel (``kernels.linear.linear_quant``) for the block formats.
 
 Timing: for each shape, every case runs ``--repeats`` rounds, interleaved (so machine
 load drifts hit all cases alike); a round times enough calls for ``--round-s`` seconds. The
@@ -39,8 +39,8 @@ from zllm_backend_cpu.kernels.native import unavailable_reason
 # (N, K): the linears of a 110M Llama (hidden 768, FFN 2048, vocab 32000) and of a 0.5B one
 # (hidden 1280, FFN 3328, vocab 32000)
 SHAPES = [(768, 768), (2048, 768), (32000, 768), (1280, 1280), (3328, 1280), (32000, 1280)]
-FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_0")
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 # separate linears -> one fused weight: (name, [(N, K) ...])
 FUSIONS = [
     ("110M q/k/v", [(768, 768)] * 3),
@@ -72,6 +72,8 @@ def make_weight(fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor | 
     if fmt in BLOCK_BYTES:
         raw = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
         raw[..., :2] = torch.full((n, k // 32, 1), 0.01).half().view(torch.uint8)
+        if fmt in ("q4_1", "q5_1"):  # and a finite min m
+            raw[..., 2:4] = torch.full((n, k // 32, 1), -0.08).half().view(torch.uint8)
         return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
     dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[fmt]
     return (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
