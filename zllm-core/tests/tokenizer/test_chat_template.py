@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokdata import LLAMA3_TEMPLATE as LLAMA3
 from tokdata import VOCABS
 
 from zllm.spec.errors import CheckpointError, RequestError
@@ -26,19 +27,6 @@ CHATML = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# Llama-3-Instruct's template: BOS in the template, content trimmed, helpers in use.
-LLAMA3 = (
-    "{{- bos_token }}"
-    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
-    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
-    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
-    "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n\\n' }}"
-    "{{- system + '<|eot_id|>' }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 # Gemma/Mistral-style: no system role.
 NO_SYSTEM = (
