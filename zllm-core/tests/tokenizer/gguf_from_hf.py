@@ -43,7 +43,9 @@ def write_vocab_gguf(hf_dir: Path, out: Path, pre: str) -> Path:
         text = by_id[i]
         if i in added:
             if not added[i].normalized:
-                text = hf.decode(hf.encode(text, add_special_tokens=False).ids, skip_special_tokens=False)
+                text = hf.decode(
+                    hf.encode(text, add_special_tokens=False).ids, skip_special_tokens=False
+                )
             special = added[i].special or _looks_special(text)
             types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
         else:

