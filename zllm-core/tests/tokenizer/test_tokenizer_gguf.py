@@ -61,7 +61,8 @@ def test_vocab_only_gguf_loads_with_metadata_bos_eos(llama_spm, phi3):
     header = (VOCABS / "ggml-vocab-llama-spm.gguf").read_bytes()[:16]
     assert header[:4] == b"GGUF" and struct.unpack_from("<Q", header, 8) == (0,)  # tensor_count
     assert (llama_spm.vocab_size, llama_spm.bos_token_id, llama_spm.eos_token_ids) == (32000, 1, (2,))
-    assert (phi3.vocab_size, phi3.bos_token_id, phi3.eos_token_ids) == (32064, 1, (32000,))
+    # Phi-3's EOS, then llama.cpp's end-of-generation tokens found by text: </s>, <|end|>.
+    assert (phi3.vocab_size, phi3.bos_token_id, phi3.eos_token_ids) == (32064, 1, (32000, 2, 32007))
     assert llama_spm.add_bos and not llama_spm.add_eos
     assert llama_spm.source.endswith("ggml-vocab-llama-spm.gguf")
 
@@ -89,18 +90,22 @@ def test_special_token_text_is_plain_text_unless_parse_special(llama_spm):
     assert llama_spm.encode("<s>hi", parse_special=True)[:2] == [1, 1]
 
 
-def test_user_defined_tokens_are_split_out_even_without_parse_special(phi3):
-    # phi-3 stores "</s>" as a user-defined token (type 4); llama.cpp always matches those.
-    assert phi3.token_to_id("</s>") == 2
-    assert phi3.encode("</s>", add_special_tokens=False) == [2]
+def test_end_of_generation_text_gets_the_control_bit_even_when_user_defined(phi3):
+    # phi-3 stores "</s>" as user-defined (type 4); llama.cpp adds the control attribute to
+    # every end-of-generation text, so it is matched only when special tokens are parsed.
+    assert phi3.token_to_id("</s>") == 2 and 2 in phi3.eos_token_ids
+    assert phi3.encode("</s>", add_special_tokens=False) != [2]
+    assert phi3.encode("</s>", add_special_tokens=False, parse_special=True) == [2]
     assert phi3.encode("<|end|>", add_special_tokens=False) != [32007]  # a control token: text
     assert phi3.encode("<|end|>", add_special_tokens=False, parse_special=True) == [32007]
 
 
-def test_decode_skips_control_tokens_and_renders_user_defined_ones(phi3):
+def test_decode_skips_control_tokens_and_renders_user_defined_ones(phi3, mpt):
     ids = phi3.encode("<|user|>Hi</s>", parse_special=True)
-    assert phi3.decode(ids) == "Hi</s>"
+    assert phi3.decode(ids) == "Hi"
     assert phi3.decode(ids, skip_special_tokens=False) == "<s><|user|> Hi</s>"
+    spaces = mpt.token_to_id("    ")  # user-defined in GPT-NeoX's vocabulary
+    assert mpt.decode([*mpt.encode("a", add_special_tokens=False), spaces]) == "a    "
 
 
 def test_decode_inverts_encode_for_llama_spm_vectors(llama_spm):

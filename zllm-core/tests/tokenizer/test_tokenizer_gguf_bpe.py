@@ -1,14 +1,17 @@
 """Byte-level BPE GGUF vocabularies (``tokenizer.ggml.model = gpt2``) reproduce llama.cpp's
-test-tokenizer-0 vectors, and unsupported pre-tokenizer types are refused by name."""
+test-tokenizer-0 vectors, a file without a pre type gets llama.cpp's default, and unknown pre
+types are refused by name."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
-from tokdata import read_vocab_vectors
+from tokdata import VOCABS, read_vocab_vectors
 
 from zllm.spec.errors import CheckpointError
 from zllm.tokenizer import Tokenizer
-from zllm.tokenizer.gguf_vocab import BPE_PRE_TOKENIZERS
+from zllm.tokenizer.bpe_pre import BPE_PRE_TYPES_BY_NAME
 
 GPT2_VECTORS = read_vocab_vectors("gpt-2")
 MPT_VECTORS = read_vocab_vectors("mpt")
@@ -31,9 +34,10 @@ def test_mpt_vocab_reproduces_llama_cpp_vectors(mpt, text, expected):
     assert mpt.decode(expected) == text
 
 
-def test_every_supported_pre_type_is_backed_by_shipped_vectors():
-    assert {p.verified_by for p in BPE_PRE_TOKENIZERS.values()} <= {"gpt-2", "mpt"}
-    assert {"gpt-2", "mpt"} <= set(BPE_PRE_TOKENIZERS)
+def test_the_vocab_files_pre_types_are_the_vector_verified_entries(gpt2_meta, mpt):
+    assert gpt2_meta["tokenizer.ggml.pre"] == "gpt-2"
+    assert "ggml-vocab-gpt-2" in BPE_PRE_TYPES_BY_NAME["gpt-2"].verified_by
+    assert "ggml-vocab-mpt" in BPE_PRE_TYPES_BY_NAME["mpt"].verified_by
 
 
 def test_bpe_defaults_follow_llama_cpp_add_bos_false(gpt2, mpt):
@@ -62,19 +66,28 @@ def test_mpt_user_defined_space_runs_are_split_out(mpt):
     assert mpt.encode("a    b", add_special_tokens=False)[1] == 50274
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "default", "made-up"])
-def test_unknown_pre_type_names_it_and_the_supported_ones(gpt2_meta, pre):
+@pytest.mark.parametrize("pre", ["made-up", "kimi-k2", "LLAMA-BPE", ""])
+def test_unknown_pre_type_names_it_and_the_known_ones(gpt2_meta, pre):
     with pytest.raises(CheckpointError) as info:
         Tokenizer.from_gguf_metadata({**gpt2_meta, "tokenizer.ggml.pre": pre}, "x.gguf")
     msg = str(info.value)
     assert msg.startswith("x.gguf: unknown pre-tokenizer type tokenizer.ggml.pre " + repr(pre))
-    assert "supported: 'gpt-2', 'phi-2', 'mpt'" in msg
+    assert "; known: a.x-4.0, bloom," in msg and " llama-bpe," in msg and " qwen2," in msg
 
 
-def test_missing_pre_type_is_an_error_not_a_silent_default(gpt2_meta):
-    meta = {k: v for k, v in gpt2_meta.items() if k != "tokenizer.ggml.pre"}
-    with pytest.raises(CheckpointError, match="without a 'tokenizer.ggml.pre' key.*'default'.*supported"):
-        Tokenizer.from_gguf_metadata(meta, "x.gguf")
+def test_file_without_pre_type_gets_llama_cpps_default_with_its_warning(caplog):
+    # llama.cpp's GPT-NeoX vocabulary predates tokenizer.ggml.pre; it has the same tokens as mpt.
+    path = VOCABS / "ggml-vocab-gpt-neox.gguf"
+    with caplog.at_level(logging.WARNING, logger="zllm.tokenizer.gguf_vocab"):
+        neox = Tokenizer.from_gguf_file(path)
+    assert "without 'tokenizer.ggml.pre'; using llama.cpp's 'default'" in caplog.text
+    assert str(path) in caplog.text
+    # The default type isolates punctuation runs and cuts digit runs in threes.
+    text = "x (1234)!"
+    pieces = [neox.id_to_token(i) for i in neox.encode(text, add_special_tokens=False)]
+    assert pieces == ["x", "Ġ", "(", "123", "4", ")!"]
+    assert neox.decode(neox.encode(text)) == text
+    assert (neox.bos_token_id, neox.eos_token_ids, neox.add_bos) == (0, (0,), False)
 
 
 def test_missing_merges_is_an_error(gpt2_meta):

@@ -16,6 +16,22 @@ STORIES_HF = MODELS / "stories260k" / "hf"
 STORIES_GGUF = MODELS / "stories260k" / "gguf" / "stories260K-f32.gguf"
 TINY_RANDOM_GGUF = MODELS / "llama-2-tiny-random-gguf" / "llama-2-tiny-random.gguf"
 
+# Llama-3-Instruct's chat template, shortened: BOS in the template, content trimmed, helpers.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n\\n' }}"
+    "{{- system + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
 VOCAB_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 
 

@@ -23,57 +23,20 @@ after every special token.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from zllm.spec.errors import CheckpointError
+from zllm.tokenizer.bpe_pre import BPE_PRE_TYPES_BY_NAME, BPEPreType
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_TOKENIZER_MODELS = ("llama", "gpt2")
-
-# The GPT-2 pre-tokenizer regex as llama.cpp writes it (llm_tokenizer_bpe, case
-# LLAMA_VOCAB_PRE_TYPE_GPT2/MPT/OLMO/JAIS). OpenAI's original ends with ``|\s+``; llama.cpp
-# keeps unmatched text as its own piece, so dropping that alternative changes no split.
-GPT2_PRE_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-
-
-@attrs.frozen
-class BPEPreTokenizer:
-    """What a ``tokenizer.ggml.pre`` value selects in llama.cpp (``llama_vocab::impl::load``
-    maps the name to a pre type and its flags; ``llm_tokenizer_bpe``'s constructor maps the pre
-    type to regexes, applied one after another, each splitting the pieces of the one before and
-    keeping unmatched text as pieces).
-
-    Attributes:
-        regexes: the split regexes, in order.
-        add_bos: llama.cpp's ``add_bos`` default for this type, used when the file has no
-            ``tokenizer.ggml.add_bos_token`` key (``false`` for BPE vocabularies unless the
-            type sets it, as llama3 and tekken do).
-        verified_by: the llama.cpp test vectors (``ggml-vocab-NAME.gguf.inp/.out``) that
-            zllm's tests reproduce through this entry.
-    """
-
-    regexes: tuple[str, ...]
-    add_bos: bool
-    verified_by: str
-
-
-# Only the pre types whose vectors zllm's tests reproduce exactly. Names llama.cpp maps to the
-# same pre type without changing any flag that affects encoding share an entry (llama-vocab.cpp:
-# "gpt-2", "phi-2" → GPT2; "mpt" → MPT; "olmo" → OLMO; "jais" → JAIS; all four use the GPT-2
-# regex above). Others (llama-bpe/llama3, qwen2, default, ...) raise a CheckpointError naming
-# the value until a vocabulary file with vectors verifies them.
-BPE_PRE_TOKENIZERS: dict[str, BPEPreTokenizer] = {
-    "gpt-2": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
-    "phi-2": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
-    "mpt": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="mpt"),
-    "olmo": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
-    "jais": BPEPreTokenizer((GPT2_PRE_REGEX,), add_bos=False, verified_by="gpt-2"),
-}
 
 # llama.cpp's llama_token_type / LLAMA_TOKEN_ATTR_* values as stored in tokenizer.ggml.token_type
 # (gguf-py: gguf.constants.TokenType).
@@ -82,6 +45,31 @@ TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_BYTE = 6
+
+# llama_vocab::impl::load finds end-of-generation and FIM tokens by their text and makes a
+# control token of any that the file typed otherwise ("control-looking token ... its type will
+# be overridden"). End of generation: its EOG list, the EOT/EOM candidates and the FIM
+# pad/repo/file-separator tokens.
+EOG_TOKEN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+})
+FIM_TOKEN_TEXTS = frozenset({
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+    "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+    "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+    "\u2581<MID>", "<|code_middle|>", "<|middle|>",
+})
+# gpt-oss harmony markers llama.cpp always renders (user-defined), whatever the file says.
+ALWAYS_RENDERED_TOKEN_TEXTS = frozenset(
+    {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
+)
 
 SPIECE_UNDERLINE = "\u2581"
 
@@ -155,7 +143,8 @@ def _chat_templates(meta: Mapping[str, Any], source: str) -> dict[str, str]:
 
 
 def _token_table(meta: Mapping[str, Any], source: str) -> tuple[list[str], list[int], dict[str, int]]:
-    """Tokens, token types (llama.cpp treats a missing list as all normal) and text → id.
+    """Tokens, token types (llama.cpp treats a missing list as all normal; then corrected by
+    :func:`_apply_llama_cpp_token_rules`) and text → id.
 
     Raises:
         CheckpointError: no tokens, lists of different lengths, a token text given twice.
@@ -171,7 +160,7 @@ def _token_table(meta: Mapping[str, Any], source: str) -> tuple[list[str], list[
         if text in vocab:
             raise CheckpointError(source, f"token text {text!r} appears twice (ids {vocab[text]} and {i})")
         vocab[text] = i
-    return tokens, types, vocab
+    return tokens, _apply_llama_cpp_token_rules(tokens, types), vocab
 
 
 def _add_typed_tokens(hf: HFTokenizer, tokens: list[str], types: list[int]) -> None:
@@ -199,14 +188,56 @@ def _special_id(meta: Mapping[str, Any], key: str, source: str, n: int, default:
     return tid
 
 
-def _end_ids(meta: Mapping[str, Any], source: str, n: int, eos_id: int | None) -> tuple[int, ...]:
-    # End-of-turn / end-of-message ids also end generation (llama.cpp's end-of-generation set).
-    eos_ids = [] if eos_id is None else [eos_id]
+def _apply_llama_cpp_token_rules(tokens: list[str], types: list[int]) -> list[int]:
+    """Token types after llama.cpp's by-text corrections (``llama_vocab::impl::load``):
+    end-of-generation and FIM tokens become control tokens, gpt-oss's harmony markers become
+    user-defined, and the harmony / Solar ``<|end|>`` and Gemma 4's ``</s>`` lose their
+    end-of-generation role (:func:`_eog_ids`) and become user-defined / normal tokens.
+    llama.cpp overrides only the first FIM candidate per role it meets; this overrides all."""
+    types = list(types)
+    index = {t: i for i, t in enumerate(tokens)}
+    for text in (EOG_TOKEN_TEXTS | FIM_TOKEN_TEXTS) & index.keys():
+        types[index[text]] = TOKEN_TYPE_CONTROL
+    for text in ALWAYS_RENDERED_TOKEN_TEXTS & index.keys():
+        types[index[text]] = TOKEN_TYPE_USER_DEFINED
+    if "<|end|>" in index and _end_is_not_eog(index.keys()):
+        types[index["<|end|>"]] = TOKEN_TYPE_USER_DEFINED
+    if "</s>" in index and _eos_marker_is_normal(index.keys()):
+        types[index["</s>"]] = TOKEN_TYPE_NORMAL
+    return types
+
+
+def _end_is_not_eog(texts) -> bool:
+    # o200k_harmony ends a message with <|return|> / <|call|>, Solar with <|calls|> / <|flush|>.
+    harmony = "<|return|>" in texts and "<|call|>" in texts
+    return harmony or ("<|calls|>" in texts and "<|flush|>" in texts)
+
+
+def _eos_marker_is_normal(texts) -> bool:
+    return "<|tool_response>" in texts or "<|plamo:eos|>" in texts
+
+
+def _eog_ids(
+    meta: Mapping[str, Any], source: str, tokens: list[str], eos_id: int | None
+) -> tuple[int, ...]:
+    """The ids that end generation, as llama.cpp's ``special_eog_ids``: EOS, the
+    ``eot_token_id`` / ``eom_token_id`` keys, then every token whose text is in
+    :data:`EOG_TOKEN_TEXTS` (by id), less the exceptions of :func:`_apply_llama_cpp_token_rules`.
+    EOS comes first: it is the id ``add_eos`` appends."""
+    n = len(tokens)
+    eog = [] if eos_id is None else [eos_id]
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         extra = _key(meta, key, source, int)
-        if extra is not None and 0 <= extra < n and extra not in eos_ids:
-            eos_ids.append(extra)
-    return tuple(eos_ids)
+        if extra is not None and 0 <= extra < n and extra not in eog:
+            eog.append(extra)
+    texts = set(tokens)
+    dropped: set[str] = set()
+    if _end_is_not_eog(texts):
+        dropped.add("<|end|>")
+    if _eos_marker_is_normal(texts):
+        dropped.add("</s>")
+    eog += [i for i, t in enumerate(tokens) if t in EOG_TOKEN_TEXTS and i not in eog]
+    return tuple(i for i in eog if tokens[i] not in dropped)
 
 
 def _bpe_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
@@ -216,36 +247,27 @@ def _bpe_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     1. Split special tokens out first (as for SPM: user-defined always, control only when
        special-token parsing is on).
     2. Split each fragment with the regexes of its ``tokenizer.ggml.pre`` type
-       (:data:`BPE_PRE_TOKENIZERS`), then map each piece's UTF-8 bytes to GPT-2's printable
+       (:mod:`zllm.tokenizer.bpe_pre`), then map each piece's UTF-8 bytes to GPT-2's printable
        byte alphabet (``Ġ`` for a space).
-    3. Merge pairs by ``tokenizer.ggml.merges`` rank (``"left right"``, split at the first
+    3. A piece that is a token is that token when the type sets ``ignore_merges``; otherwise
+       merge pairs by ``tokenizer.ggml.merges`` rank (``"left right"``, split at the first
        space after the first character, as llama.cpp does).
 
     Steps 2-3 are ``tokenizers``' Split + ByteLevel pre-tokenizers and a BPE model; the
     ByteLevel decoder maps bytes back and decodes UTF-8 (invalid bytes → U+FFFD).
 
-    Defaults when keys are absent (llama_vocab::impl::load): add_bos false unless the pre type
-    sets it, add_eos false. llama.cpp defaults a BPE vocabulary's BOS and EOS ids to 11 (a
-    placeholder from GPT-NeoX times); zllm takes no BOS and no EOS instead, since token 11 of
-    an arbitrary vocabulary would stop generation at a random word.
+    A file without a ``tokenizer.ggml.pre`` key gets llama.cpp's ``default`` type, with the
+    warning llama.cpp prints. Defaults when keys are absent (llama_vocab::impl::load): add_bos
+    false unless the pre type sets it, add_eos false. llama.cpp defaults a BPE vocabulary's BOS
+    and EOS ids to 11 (a placeholder from GPT-NeoX times); zllm takes no BOS and no EOS instead,
+    since token 11 of an arbitrary vocabulary would stop generation at a random word (for
+    ``chatglm-bpe`` llama.cpp's own default is no BOS, too).
 
     Raises:
-        CheckpointError: no merges, no or an unsupported ``tokenizer.ggml.pre`` (the message
-            names it and lists the supported ones), bad token lists or special ids.
+        CheckpointError: no merges, an unknown ``tokenizer.ggml.pre`` (the message names it
+            and lists the known ones), bad token lists or special ids.
     """
-    supported = ", ".join(repr(p) for p in BPE_PRE_TOKENIZERS)
-    pre_name = _key(meta, "tokenizer.ggml.pre", source, str)
-    if pre_name is None:
-        raise CheckpointError(
-            source,
-            "byte-level BPE vocabulary without a 'tokenizer.ggml.pre' key; llama.cpp would fall back to its "
-            f"'default' regexes, which zllm has not verified; supported pre-tokenizer types: {supported}",
-        )
-    pre = BPE_PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
-        raise CheckpointError(
-            source, f"unknown pre-tokenizer type tokenizer.ggml.pre {pre_name!r}; supported: {supported}"
-        )
+    pre = _bpe_pre_type(meta, source)
     tokens, types, vocab = _token_table(meta, source)
     raw_merges = _key(meta, "tokenizer.ggml.merges", source, list)
     if not raw_merges:
@@ -263,7 +285,7 @@ def _bpe_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     add_bos = _key(meta, "tokenizer.ggml.add_bos_token", source, bool, pre.add_bos)
     add_eos = _key(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
 
-    hf = HFTokenizer(BPE(vocab=vocab, merges=merges))
+    hf = HFTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
     hf.normalizer = None
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
@@ -271,7 +293,32 @@ def _bpe_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     )
     hf.decoder = decoders.ByteLevel()
     _add_typed_tokens(hf, tokens, types)
-    return GGUFVocab(hf, bos_id, _end_ids(meta, source, n, eos_id), add_bos, add_eos)
+    return GGUFVocab(hf, bos_id, _eog_ids(meta, source, tokens, eos_id), add_bos, add_eos)
+
+
+def _bpe_pre_type(meta: Mapping[str, Any], source: str) -> BPEPreType:
+    """The pre type ``tokenizer.ggml.pre`` names; ``default`` when the key is absent.
+
+    Raises:
+        CheckpointError: a name that is not in :data:`BPE_PRE_TYPES_BY_NAME`.
+    """
+    name = _key(meta, "tokenizer.ggml.pre", source, str)
+    if name is None:
+        log.warning(
+            "%s: byte-level BPE vocabulary without 'tokenizer.ggml.pre'; using llama.cpp's 'default' "
+            "pre-tokenizer regexes (llama.cpp warns that generation quality will be degraded; consider "
+            "regenerating the file)",
+            source,
+        )
+        name = "default"
+    pre = BPE_PRE_TYPES_BY_NAME.get(name)
+    if pre is None:
+        raise CheckpointError(
+            source,
+            f"unknown pre-tokenizer type tokenizer.ggml.pre {name!r}; known: "
+            + ", ".join(sorted(BPE_PRE_TYPES_BY_NAME)),
+        )
+    return pre
 
 
 def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
@@ -293,7 +340,7 @@ def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     add_bos = _key(meta, "tokenizer.ggml.add_bos_token", source, bool, True)
     add_eos = _key(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
     add_space_prefix = _key(meta, "tokenizer.ggml.add_space_prefix", source, bool, True)
-    eos_ids = _end_ids(meta, source, n, eos_id)
+    eos_ids = _eog_ids(meta, source, tokens, eos_id)
 
     has_bytes = any(t == TOKEN_TYPE_BYTE for t in types)
     bpe = BPE(
