@@ -337,6 +337,7 @@ def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     bos_id = _special_id(meta, "tokenizer.ggml.bos_token_id", source, n, 1)
     eos_id = _special_id(meta, "tokenizer.ggml.eos_token_id", source, n, 2)
     unk_id = _special_id(meta, "tokenizer.ggml.unknown_token_id", source, n, 0)
+    assert unk_id is not None  # defaulted: never None
     add_bos = _key(meta, "tokenizer.ggml.add_bos_token", source, bool, True)
     add_eos = _key(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
     add_space_prefix = _key(meta, "tokenizer.ggml.add_space_prefix", source, bool, True)
@@ -351,7 +352,7 @@ def _spm_vocab(meta: Mapping[str, Any], source: str) -> GGUFVocab:
         byte_fallback=has_bytes,
     )
     hf = HFTokenizer(bpe)
-    steps = [normalizers.Replace(" ", SPIECE_UNDERLINE)]
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPIECE_UNDERLINE)]
     if add_space_prefix:
         steps.insert(0, normalizers.Prepend(SPIECE_UNDERLINE))
     hf.normalizer = normalizers.Sequence(steps)

@@ -84,7 +84,8 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
         byte_ids: set[int] = set()
         if isinstance(hf.model, BPE) and hf.model.byte_fallback:
-            byte_ids = {hf.token_to_id(f"<0x{b:02X}>") for b in range(256)} - {None} - self._special_ids
+            found = (hf.token_to_id(f"<0x{b:02X}>") for b in range(256))
+            byte_ids = {i for i in found if i is not None} - self._special_ids
         self._byte_ids = frozenset(byte_ids)
         self._chat_templates = dict(chat_templates or {})
 
@@ -311,7 +312,7 @@ class Tokenizer:
     @property
     def special_token_texts(self) -> tuple[str, ...]:
         """The text of every special token (what ``parse_special`` turns into an id)."""
-        return tuple(self._hf.id_to_token(i) for i in sorted(self._special_ids))
+        return tuple(str(self._hf.id_to_token(i)) for i in sorted(self._special_ids))
 
     @property
     def chat_template(self) -> str | None:
