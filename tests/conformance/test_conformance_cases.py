@@ -77,3 +77,15 @@ def test_weight_cases_store_weights_in_the_variants_format(fmt):
     assert all(format_of(c.args[1]) == fmt for c in cases)
     assert any(c.args[0].shape[0] == 1 for c in cases)  # a decode row
     assert any(not c.args[0].is_contiguous() for c in cases)
+
+
+def test_mla_cases_cover_block_sizes_batch_kinds_cache_dtypes_and_kv_b_formats():
+    cases = cases_for("mla_attention", "paged", seed=0)
+    labels = " ".join(c.label for c in cases)
+    assert {1, 5, 16} <= {c.args[3].shape[1] for c in cases}
+    for kind in ("new-prefill", "append-prefill", "decode", "decode+new-prefill+append-prefill"):
+        assert kind in labels
+    assert {torch.float32, torch.float16, torch.bfloat16} <= {c.args[3].dtype for c in cases}
+    assert {"f32", "bf16", "q8_0"} <= {c.label.split("kv_b_proj=")[1].split()[0] for c in cases}
+    assert all(not c.args[0].is_contiguous() for c in cases)  # q_nope/q_pe split from one query
+    assert all(c.written == (3,) for c in cases)  # the latent cache, nothing else

@@ -43,6 +43,7 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("rope", ("gptj",), f"{_PKG}.rope:rope_gptj"),
     ("attention", ("paged",), f"{_PKG}.attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
+    ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
     ("sample", ("f32",), f"{_PKG}.sampling:sample"),
 ]
@@ -58,6 +59,7 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", QUANT_FORMATS, f"{_PKG}.invariant:linear_quant_invariant"),
     ("attention", ("paged",), f"{_PKG}.invariant:attention_invariant"),
     ("attention_sliding", ("paged",), f"{_PKG}.invariant:attention_sliding_invariant"),
+    ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention_invariant"),
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
 ]
 
