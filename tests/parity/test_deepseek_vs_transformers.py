@@ -26,26 +26,67 @@ from zllm.spec.errors import ZllmError
 
 VOCAB = 512  # the stories260K tokenizer
 PROMPT = [1, 410, 469, 347, 30, 99, 280, 17, 401, 5, 77, 300, 12, 64, 201]
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_attention_heads=4, num_key_value_heads=4,
-            kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-        "beta_fast": 32.0, "beta_slow": 1.0}
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 DENSE = dict(first_k_dense_replace=2)  # every layer dense: no MoE layer
 
 # case -> (model_type, config overrides)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v2-q_proj-dense": ("deepseek_v2", dict(DENSE)),
-    "v2-q_lora-yarn-dense": ("deepseek_v2", dict(DENSE, q_lora_rank=24,
-                                                 rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707})),
-    "v3-q_lora-yarn-mscale-dense": ("deepseek_v3", dict(DENSE, q_lora_rank=24, num_hidden_layers=3,
-                                                        first_k_dense_replace=3,
-                                                        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    "v2-q_lora-yarn-dense": (
+        "deepseek_v2",
+        dict(
+            DENSE,
+            q_lora_rank=24,
+            rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+        ),
+    ),
+    "v3-q_lora-yarn-mscale-dense": (
+        "deepseek_v3",
+        dict(
+            DENSE,
+            q_lora_rank=24,
+            num_hidden_layers=3,
+            first_k_dense_replace=3,
+            rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
+        ),
+    ),
     # DeepSeek-V3's own setting (mscale == mscale_all_dim): what a GGUF file can express
-    "v3-yarn-mscale-1-dense": ("deepseek_v3", dict(DENSE, q_lora_rank=24,
-                                                   rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})),
-    "v3-halves-bias-dense": ("deepseek_v3", dict(DENSE, rope_interleave=False, attention_bias=True, q_lora_rank=24)),
+    "v3-yarn-mscale-1-dense": (
+        "deepseek_v3",
+        dict(DENSE, q_lora_rank=24, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    ),
+    "v3-halves-bias-dense": (
+        "deepseek_v3",
+        dict(DENSE, rope_interleave=False, attention_bias=True, q_lora_rank=24),
+    ),
 }
 
 
@@ -56,7 +97,7 @@ def _save(tmp_path, case: str, cases=CASES):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     # Random init has tiny weights; widen them so the test sees real attention and routing.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.mul_(4.0)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it steer the choice
@@ -73,12 +114,16 @@ def _hf_logits(model, ids):
 
 
 def _hf_greedy(model, prompt=PROMPT, n=32):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def _generate(engine, prompt=PROMPT, n=32):
-    return engine.generate({"prompt_token_ids": prompt, "max_tokens": n, "stop_token_ids": [], "ignore_eos": True})
+    return engine.generate(
+        {"prompt_token_ids": prompt, "max_tokens": n, "stop_token_ids": [], "ignore_eos": True}
+    )
 
 
 def _check_logits(ours: torch.Tensor, hf: torch.Tensor) -> None:
@@ -103,23 +148,34 @@ def _cached_rows(engine, seq, layer: int) -> torch.Tensor:
     return cache[blocks].reshape(-1, cache.shape[-1])[: seq.kv.num_tokens].float()
 
 
-@pytest.mark.parametrize("case", ["v2-q_lora-yarn-dense", "v3-q_lora-yarn-mscale-dense", "v3-halves-bias-dense"])
+@pytest.mark.parametrize(
+    "case", ["v2-q_lora-yarn-dense", "v3-q_lora-yarn-mscale-dense", "v3-halves-bias-dense"]
+)
 def test_cached_latent_rows_equal_transformers_cache(tmp_path, case):
     model, path = _save(tmp_path, case)
     hf_cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(torch.tensor([PROMPT]), cache=hf_cache, use_cache=True)
-    engine = zllm.Engine.from_config(write_config(tmp_path, path, runtime={"kv_cache": {"block_size": 4}}))
-    seq = engine.llm.add_request(engine.parse({"prompt_token_ids": PROMPT, "max_tokens": 2}), PROMPT, 2)
+    engine = zllm.Engine.from_config(
+        write_config(tmp_path, path, runtime={"kv_cache": {"block_size": 4}})
+    )
+    seq = engine.llm.add_request(
+        engine.parse({"prompt_token_ids": PROMPT, "max_tokens": 2}), PROMPT, 2
+    )
     engine.llm.step()  # the New Prefill of the whole prompt
     assert seq.kv.num_tokens == len(PROMPT)
     r = model.config.kv_lora_rank
     interleaved_v3 = model.config.model_type == "deepseek_v3" and model.config.rope_interleave
     for layer in range(model.config.num_hidden_layers):
         rows = _cached_rows(engine, seq, layer)
-        c_kv, k_pe = hf_cache.layers[layer].keys[0, 0], hf_cache.layers[layer].values[0, 0]  # [T, R], [T, Dr]
+        c_kv, k_pe = (
+            hf_cache.layers[layer].keys[0, 0],
+            hf_cache.layers[layer].values[0, 0],
+        )  # [T, R], [T, Dr]
         ours_pe = rows[:, r:]
-        if interleaved_v3:  # transformers' V3 writes each rotated pair's first elements, then its second ones
+        if (
+            interleaved_v3
+        ):  # transformers' V3 writes each rotated pair's first elements, then its second ones
             ours_pe = torch.cat([ours_pe[:, 0::2], ours_pe[:, 1::2]], dim=-1)
         # deeper layers' rows carry the f32 rounding of the layers before them
         torch.testing.assert_close(rows[:, :r], c_kv, atol=1e-4, rtol=1e-4)
@@ -128,13 +184,24 @@ def test_cached_latent_rows_equal_transformers_cache(tmp_path, case):
         engine.llm.step()
 
 
-def test_latent_rows_already_cached_are_attended_in_chunked_append_and_prefix_hit_prefills(tmp_path):
+def test_latent_rows_already_cached_are_attended_in_chunked_append_and_prefix_hit_prefills(
+    tmp_path,
+):
     """Chunked prefill (chunks of 4: every chunk an Append Prefill over cached latent rows),
     then a second request whose prompt extends the first's text: a prefix-cache hit served
     from the parked latent rows, its new tokens an Append Prefill."""
     model, path = _save(tmp_path, "v3-q_lora-yarn-mscale-dense")
-    engine = zllm.Engine.from_config(write_config(
-        tmp_path, path, runtime={"kv_cache": {"block_size": 4}, "max_prefill_tokens": 4, "prefix_cache_seqs": 2}))
+    engine = zllm.Engine.from_config(
+        write_config(
+            tmp_path,
+            path,
+            runtime={
+                "kv_cache": {"block_size": 4},
+                "max_prefill_tokens": 4,
+                "prefix_cache_seqs": 2,
+            },
+        )
+    )
     first = _generate(engine)
     assert first["token_ids"] == _hf_greedy(model)
     extended = PROMPT + first["token_ids"][:9]
@@ -151,8 +218,16 @@ def test_kv_cache_holds_one_latent_row_per_token_and_layer(tmp_path):
     spec = engine.llm.scheduler.kv.spec
     cfg = model.config
     mla_bytes = spec.token_bytes(4)
-    assert mla_bytes == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # 320 B
-    gqa_bytes = cfg.num_hidden_layers * 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) * 4
+    assert (
+        mla_bytes == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    )  # 320 B
+    gqa_bytes = (
+        cfg.num_hidden_layers
+        * 2
+        * cfg.num_attention_heads
+        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        * 4
+    )
     assert gqa_bytes / mla_bytes == pytest.approx(4.8)  # 1536 B vs 320 B per token
 
 
@@ -168,15 +243,31 @@ def test_missing_kv_lora_rank_is_a_one_line_error_naming_the_key(tmp_path):
 
 # ----------------------------------------------------------------------------- GGUF
 
-STR, F32, U32, BOOL = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.BOOL
+STR, F32, U32, BOOL = (
+    gguf.GGUFValueType.STRING,
+    gguf.GGUFValueType.FLOAT32,
+    gguf.GGUFValueType.UINT32,
+    gguf.GGUFValueType.BOOL,
+)
 
-_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a",
-          "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
-          "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-          "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-          "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
-          "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
 
 
 def _write_gguf(model, path, dst, split_kv_b: bool):
@@ -228,8 +319,12 @@ def _write_gguf(model, path, dst, split_kv_b: bool):
     for key, field in vocab.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
-            w.add_key_value(key, field.contents(), vtype,
-                            sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+            w.add_key_value(
+                key,
+                field.contents(),
+                vtype,
+                sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None,
+            )
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -243,14 +338,22 @@ def _write_gguf(model, path, dst, split_kv_b: bool):
         kv_b = sd[p + "self_attn.kv_b_proj.weight"]
         if split_kv_b:  # convert_hf_to_gguf.py DeepseekV2Model.modify_tensors
             kv_b = kv_b.reshape(h, dn + dv, -1)
-            w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1)))
+            w.add_tensor(
+                f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1))
+            )
             w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, dn:]))
         else:
             w.add_tensor(f"blk.{i}.attn_kv_b.weight", kv_b)
         if p + "mlp.gate.e_score_correction_bias" in sd:
             w.add_tensor(f"blk.{i}.exp_probs_b.bias", sd[p + "mlp.gate.e_score_correction_bias"])
-        for proj, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            experts = [sd.get(f"{p}mlp.experts.{e}.{proj}.weight") for e in range(cfg.n_routed_experts)]
+        for proj, gg in (
+            ("gate_proj", "ffn_gate_exps"),
+            ("up_proj", "ffn_up_exps"),
+            ("down_proj", "ffn_down_exps"),
+        ):
+            experts = [
+                sd.get(f"{p}mlp.experts.{e}.{proj}.weight") for e in range(cfg.n_routed_experts)
+            ]
             if experts[0] is not None:
                 w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(np.stack(experts)))
     w.write_header_to_file()
@@ -260,7 +363,9 @@ def _write_gguf(model, path, dst, split_kv_b: bool):
     return dst
 
 
-@pytest.mark.parametrize("case, split", [("v2-q_lora-yarn-dense", False), ("v3-yarn-mscale-1-dense", True)])
+@pytest.mark.parametrize(
+    "case, split", [("v2-q_lora-yarn-dense", False), ("v3-yarn-mscale-1-dense", True)]
+)
 def test_gguf_written_from_hf_checkpoint_gives_the_same_tokens(tmp_path, case, split):
     """GGUF stores one YaRN multiplier (0.1 * mscale_all_dim) and llama.cpp takes mscale equal
     to it, so only checkpoints with mscale == mscale_all_dim (every released DeepSeek) convert."""

@@ -25,14 +25,21 @@ def test_kernel_equals_both_reference_forms_and_writes_the_latent_rows(kernel):
         assert torch.equal(args[3], ref_args[3]), case.label  # the same cache contents
 
 
-def _meta(starts_lens: list[tuple[int, int]], table: torch.Tensor, bs: int, scale: float) -> AttentionMetadata:
+def _meta(
+    starts_lens: list[tuple[int, int]], table: torch.Tensor, bs: int, scale: float
+) -> AttentionMetadata:
     """One entry per sequence: (first new position, new tokens); sequence s uses table[s]."""
     slots = []
     for s, (start, n) in enumerate(starts_lens):
         pos = torch.arange(start, start + n)
         slots.append(table[s][pos // bs] * bs + pos % bs)
-    return AttentionMetadata(torch.cat(slots), table, tuple(n for _, n in starts_lens),
-                             tuple(start + n for start, n in starts_lens), scale)
+    return AttentionMetadata(
+        torch.cat(slots),
+        table,
+        tuple(n for _, n in starts_lens),
+        tuple(start + n for start, n in starts_lens),
+        scale,
+    )
 
 
 def test_invariant_kernel_gives_the_same_bits_chunked_batched_or_whole():

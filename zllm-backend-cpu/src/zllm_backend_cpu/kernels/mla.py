@@ -36,15 +36,24 @@ from zllm.plugin_api import AttentionMetadata, QuantizedTensor
 from zllm_backend_cpu.kernels.linear import _decode_rows, linear_dense, linear_quant
 
 
-def _check(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta: AttentionMetadata) -> tuple[int, int, int, int, int]:
+def _check(
+    q_nope, q_pe, latent, latent_cache, kv_b_proj, meta: AttentionMetadata
+) -> tuple[int, int, int, int, int]:
     """Check shapes; return ``(H, Dn, Dr, Dv, R)``."""
     t, h, dn = q_nope.shape
     dr = q_pe.shape[2]
     nb, bs, width = latent_cache.shape
     r = width - dr
     rows, cols = kv_b_proj.shape
-    assert q_nope.dtype == q_pe.dtype == latent.dtype == torch.float32, (q_nope.dtype, q_pe.dtype, latent.dtype)
-    assert tuple(q_pe.shape[:2]) == (t, h) and tuple(latent.shape) == (t, width), (q_pe.shape, latent.shape)
+    assert q_nope.dtype == q_pe.dtype == latent.dtype == torch.float32, (
+        q_nope.dtype,
+        q_pe.dtype,
+        latent.dtype,
+    )
+    assert tuple(q_pe.shape[:2]) == (t, h) and tuple(latent.shape) == (t, width), (
+        q_pe.shape,
+        latent.shape,
+    )
     assert cols == r and rows % h == 0 and rows // h > dn, (kv_b_proj.shape, h, dn, r)
     assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
     return h, dn, dr, rows // h - dn, r
@@ -52,7 +61,9 @@ def _check(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta: AttentionMetadat
 
 def _write(latent: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     nb, bs, width = latent_cache.shape
-    latent_cache.view(nb * bs, width).index_copy_(0, meta.slot_mapping, latent.to(latent_cache.dtype))
+    latent_cache.view(nb * bs, width).index_copy_(
+        0, meta.slot_mapping, latent.to(latent_cache.dtype)
+    )
 
 
 def _context(latent_cache: torch.Tensor, meta: AttentionMetadata, s: int) -> torch.Tensor:
@@ -64,9 +75,15 @@ def _context(latent_cache: torch.Tensor, meta: AttentionMetadata, s: int) -> tor
     return latent_cache[blocks].view(n_blocks * bs, width)[:n_ctx].float()  # [L, W]
 
 
-def _kv_b_f32(kv_b_proj: torch.Tensor | QuantizedTensor, h: int, dn: int, dv: int, r: int) -> torch.Tensor:
+def _kv_b_f32(
+    kv_b_proj: torch.Tensor | QuantizedTensor, h: int, dn: int, dv: int, r: int
+) -> torch.Tensor:
     """``kv_b_proj`` as f32 ``[H, Dn + Dv, R]`` (a view for an f32 weight)."""
-    w = _decode_rows(kv_b_proj, 0, kv_b_proj.shape[0]) if isinstance(kv_b_proj, QuantizedTensor) else kv_b_proj.float()
+    w = (
+        _decode_rows(kv_b_proj, 0, kv_b_proj.shape[0])
+        if isinstance(kv_b_proj, QuantizedTensor)
+        else kv_b_proj.float()
+    )
     return w.view(h, dn + dv, r)
 
 
@@ -74,26 +91,35 @@ def _linear(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     return linear_quant(x, w, None) if isinstance(w, QuantizedTensor) else linear_dense(x, w, None)
 
 
-def _expanded(q_nope, q_pe, rows: torch.Tensor, kv_b_proj, h: int, dn: int, dv: int, r: int,
-              scale: float) -> torch.Tensor:
-    """Causal MLA of ``Q`` queries (the last of ``rows [L, W]``) in the expanded form -> f32 ``[Q, H, Dv]``."""
+def _expanded(
+    q_nope, q_pe, rows: torch.Tensor, kv_b_proj, h: int, dn: int, dv: int, r: int, scale: float
+) -> torch.Tensor:
+    """Causal MLA of ``Q`` queries, the last of ``rows [L, W]``, in the expanded form.
+
+    Returns f32 ``[Q, H, Dv]``."""
     n_q, n_ctx = q_nope.shape[0], rows.shape[0]
     kv = _linear(rows[:, :r].contiguous(), kv_b_proj).view(n_ctx, h, dn + dv)  # [L, H, Dn + Dv]
-    k_pe = rows[:, None, r:].expand(n_ctx, h, rows.shape[1] - r)  # [L, H, Dr]: one rope key for all heads
+    k_pe = rows[:, None, r:].expand(
+        n_ctx, h, rows.shape[1] - r
+    )  # [L, H, Dr]: one rope key for all heads
     k = torch.cat([kv[..., :dn], k_pe], dim=-1).transpose(0, 1)  # [H, L, Dn + Dr]
     v = kv[..., dn:].transpose(0, 1)  # [H, L, Dv]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, Q, Dn + Dr]
     mask = None
     if n_q < n_ctx:  # bottom-right aligned: SDPA's is_causal is top-left aligned
         mask = torch.arange(n_ctx)[None, :] <= torch.arange(n_ctx - n_q, n_ctx)[:, None]  # [Q, L]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)  # [H, Q, Dv]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+    )  # [H, Q, Dv]
     return out.transpose(0, 1)  # [Q, H, Dv]
 
 
 def _absorbed_row(q_latent: torch.Tensor, rows: torch.Tensor, r: int, scale: float) -> torch.Tensor:
     """One decode query's latent sum: ``q_latent`` f32 ``[H, W]`` (``[q_nope · W_UK | q_pe]``)
     over ``rows [L, W]`` -> f32 ``[H, R]``."""
-    return F.scaled_dot_product_attention(q_latent[None], rows[None], rows[None, :, :r], scale=scale)[0]  # [H, R]
+    return F.scaled_dot_product_attention(
+        q_latent[None], rows[None], rows[None, :, :r], scale=scale
+    )[0]  # [H, R]
 
 
 def mla_attention(
@@ -124,16 +150,30 @@ def mla_attention(
             decode_seqs.append(s)
         else:
             rows = _context(latent_cache, meta, s)  # [L, W]
-            out[start : start + n_q] = _expanded(q_nope[start : start + n_q], q_pe[start : start + n_q], rows,
-                                                 kv_b_proj, h, dn, dv, r, meta.scale)
+            out[start : start + n_q] = _expanded(
+                q_nope[start : start + n_q],
+                q_pe[start : start + n_q],
+                rows,
+                kv_b_proj,
+                h,
+                dn,
+                dv,
+                r,
+                meta.scale,
+            )
         start += n_q
     if decode_rows:
         kv_b = _kv_b_f32(kv_b_proj, h, dn, dv, r)  # [H, Dn + Dv, R]
         idx = torch.tensor(decode_rows)
         q_lat = torch.bmm(q_nope[idx].transpose(0, 1), kv_b[:, :dn])  # [H, S', R]
         q_full = torch.cat([q_lat, q_pe[idx].transpose(0, 1)], dim=-1)  # [H, S', W]
-        lat_out = torch.stack([_absorbed_row(q_full[:, i], _context(latent_cache, meta, s), r, meta.scale)
-                               for i, s in enumerate(decode_seqs)], dim=1)  # [H, S', R]
+        lat_out = torch.stack(
+            [
+                _absorbed_row(q_full[:, i], _context(latent_cache, meta, s), r, meta.scale)
+                for i, s in enumerate(decode_seqs)
+            ],
+            dim=1,
+        )  # [H, S', R]
         out[idx] = torch.bmm(lat_out, kv_b[:, dn:].transpose(1, 2)).transpose(0, 1)  # [S', H, Dv]
     return out
 

@@ -124,7 +124,8 @@ def rope_scaling_config(get: Any, arch: str) -> dict[str, Any] | None:
         return {"rope_type": "linear", "factor": float(factor)}
     attn_factor = get(f"{arch}.rope.scaling.attn_factor")
     if attn_factor is not None and float(attn_factor) != 1.0:
-        raise ValueError(f"YaRN {arch}.rope.scaling.attn_factor = {attn_factor} is not supported (supported: absent or 1)")
+        raise ValueError(f"YaRN {arch}.rope.scaling.attn_factor = {attn_factor} is not supported "
+                         "(supported: absent or 1)")
     scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
     log_multiplier = get(f"{arch}.rope.scaling.yarn_log_multiplier")
     if log_multiplier is not None and float(log_multiplier) != 0.0:

@@ -19,7 +19,13 @@ MTP_EXTRA = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"
 def _attention_specs(spec: DeepseekSpec, optional: bool) -> dict[str, TensorSpec]:
     """``self_attn.*`` tensors of one layer, by name after ``model.layers.{i}.``."""
     m, k = spec.mla, spec.hidden_size
-    h, dn, dr, dv, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    h, dn, dr, dv, r = (
+        m.num_heads,
+        m.qk_nope_head_dim,
+        m.qk_rope_head_dim,
+        m.v_head_dim,
+        m.kv_lora_rank,
+    )
     specs: dict[str, tuple[int, ...]] = {
         "self_attn.kv_a_proj_with_mqa.weight": (r + dr, k),
         "self_attn.kv_a_layernorm.weight": (r,),
@@ -28,8 +34,11 @@ def _attention_specs(spec: DeepseekSpec, optional: bool) -> dict[str, TensorSpec
     if m.q_lora_rank is None:
         specs["self_attn.q_proj.weight"] = (h * (dn + dr), k)
     else:
-        specs |= {"self_attn.q_a_proj.weight": (m.q_lora_rank, k), "self_attn.q_a_layernorm.weight": (m.q_lora_rank,),
-                  "self_attn.q_b_proj.weight": (h * (dn + dr), m.q_lora_rank)}
+        specs |= {
+            "self_attn.q_a_proj.weight": (m.q_lora_rank, k),
+            "self_attn.q_a_layernorm.weight": (m.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (h * (dn + dr), m.q_lora_rank),
+        }
     if spec.attention_bias:
         specs |= {"self_attn.kv_a_proj_with_mqa.bias": (r + dr,), "self_attn.o_proj.bias": (k,)}
         if m.q_lora_rank is not None:
@@ -48,22 +57,35 @@ def _ffn_specs(spec: DeepseekSpec, moe: bool, optional: bool) -> dict[str, Tenso
     k = spec.hidden_size
     if not moe:
         f = spec.intermediate_size
-        shapes = {"mlp.gate_proj.weight": (f, k), "mlp.up_proj.weight": (f, k), "mlp.down_proj.weight": (k, f)}
-        return {name: TensorSpec(shape, optional=optional) for name, shape in shapes.items()}
+        dense = {
+            "mlp.gate_proj.weight": (f, k),
+            "mlp.up_proj.weight": (f, k),
+            "mlp.down_proj.weight": (k, f),
+        }
+        return {name: TensorSpec(shape, optional=optional) for name, shape in dense.items()}
     e, n, ns = spec.num_experts, spec.moe_intermediate_size, spec.shared_intermediate_size
-    shapes = {"mlp.gate.weight": (e, k)}
+    shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, k)}
     if spec.model_type == "deepseek_v3":
         shapes["mlp.gate.e_score_correction_bias"] = (e,)
     if spec.experts_stacked:
-        shapes |= {"mlp.experts.gate_proj": (e, n, k), "mlp.experts.up_proj": (e, n, k),
-                   "mlp.experts.down_proj": (e, k, n)}
+        shapes |= {
+            "mlp.experts.gate_proj": (e, n, k),
+            "mlp.experts.up_proj": (e, n, k),
+            "mlp.experts.down_proj": (e, k, n),
+        }
     else:
         for x in range(e):
-            shapes |= {f"mlp.experts.{x}.gate_proj.weight": (n, k), f"mlp.experts.{x}.up_proj.weight": (n, k),
-                       f"mlp.experts.{x}.down_proj.weight": (k, n)}
+            shapes |= {
+                f"mlp.experts.{x}.gate_proj.weight": (n, k),
+                f"mlp.experts.{x}.up_proj.weight": (n, k),
+                f"mlp.experts.{x}.down_proj.weight": (k, n),
+            }
     if ns:
-        shapes |= {"mlp.shared_experts.gate_proj.weight": (ns, k), "mlp.shared_experts.up_proj.weight": (ns, k),
-                   "mlp.shared_experts.down_proj.weight": (k, ns)}
+        shapes |= {
+            "mlp.shared_experts.gate_proj.weight": (ns, k),
+            "mlp.shared_experts.up_proj.weight": (ns, k),
+            "mlp.shared_experts.down_proj.weight": (k, ns),
+        }
     return {name: TensorSpec(shape, optional=optional) for name, shape in shapes.items()}
 
 
@@ -91,24 +113,47 @@ class DeepseekFamily:
             specs[p + "input_layernorm.weight"] = TensorSpec((k,), optional=optional)
             specs[p + "post_attention_layernorm.weight"] = TensorSpec((k,), optional=optional)
             specs |= {p + name: s for name, s in _attention_specs(spec, optional).items()}
-            specs |= {p + name: s for name, s in _ffn_specs(spec, moe and spec.router is not None, optional).items()}
+            specs |= {
+                p + name: s
+                for name, s in _ffn_specs(spec, moe and spec.router is not None, optional).items()
+            }
             if optional:
-                mtp = {"enorm": (k,), "hnorm": (k,), "eh_proj": (k, 2 * k), "shared_head.norm": (k,),
-                       "shared_head.head": (v, k), "embed_tokens": (v, k)}
-                specs |= {f"{p}{name}.weight": TensorSpec(mtp[name], optional=True) for name in MTP_EXTRA}
+                mtp = {
+                    "enorm": (k,),
+                    "hnorm": (k,),
+                    "eh_proj": (k, 2 * k),
+                    "shared_head.norm": (k,),
+                    "shared_head.head": (v, k),
+                    "embed_tokens": (v, k),
+                }
+                specs |= {
+                    f"{p}{name}.weight": TensorSpec(mtp[name], optional=True) for name in MTP_EXTRA
+                }
         return specs
 
-    def required_capabilities(self, spec: DeepseekSpec, weight_formats: dict[str, str]) -> frozenset[Capability]:
+    def required_capabilities(
+        self, spec: DeepseekSpec, weight_formats: dict[str, str]
+    ) -> frozenset[Capability]:
         embed_fmt = weight_formats["model.embed_tokens.weight"]
-        head_fmt = embed_fmt if spec.tie_word_embeddings else weight_formats.get("lm_head.weight", embed_fmt)
+        head_fmt = (
+            embed_fmt
+            if spec.tie_word_embeddings
+            else weight_formats.get("lm_head.weight", embed_fmt)
+        )
         decoder = [f"model.layers.{i}." for i in range(spec.num_layers)]
         linear_fmts = {head_fmt} | {
-            fmt for name, fmt in weight_formats.items()
-            if any(name.startswith(p) for p in decoder) and name.endswith("_proj.weight") and ".experts." not in name
+            fmt
+            for name, fmt in weight_formats.items()
+            if any(name.startswith(p) for p in decoder)
+            and name.endswith("_proj.weight")
+            and ".experts." not in name
             and not name.endswith(("k_b_proj.weight", "v_b_proj.weight", "kv_b_proj.weight"))
         }
-        expert_fmts = {fmt for name, fmt in weight_formats.items()
-                       if any(name.startswith(p + "mlp.experts.") for p in decoder)}
+        expert_fmts = {
+            fmt
+            for name, fmt in weight_formats.items()
+            if any(name.startswith(p + "mlp.experts.") for p in decoder)
+        }
         return _capabilities(embed_fmt, linear_fmts, expert_fmts, ropes={spec.rope_variant})
 
     def format_capabilities(self, fmt: str) -> frozenset[Capability]:
@@ -121,7 +166,9 @@ class DeepseekFamily:
         return DeepseekModel(spec, weights, ops)
 
 
-def _capabilities(embed_fmt: str, linear_fmts: set[str], expert_fmts: set[str], ropes: set[str]) -> frozenset[Capability]:
+def _capabilities(
+    embed_fmt: str, linear_fmts: set[str], expert_fmts: set[str], ropes: set[str]
+) -> frozenset[Capability]:
     """The one place that lists what a DeepSeek model needs, shared by ``required_capabilities``
     and ``format_capabilities`` so the compatibility matrix and the load-time check agree.
     ``kv_b_proj`` is read by ``mla_attention`` itself, in any format; the router's logits
@@ -132,6 +179,11 @@ def _capabilities(embed_fmt: str, linear_fmts: set[str], expert_fmts: set[str], 
         | {Capability("linear", fmt) for fmt in linear_fmts | router_fmts}
         | {Capability("moe", fmt) for fmt in expert_fmts}
         | {Capability("rope", variant) for variant in ropes}
-        | {Capability("mla_attention", "paged"), Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"),
-           Capability("silu_mul", "f32"), Capability("sample", "f32")}
+        | {
+            Capability("mla_attention", "paged"),
+            Capability("rms_norm", "f32"),
+            Capability("add_rms_norm", "f32"),
+            Capability("silu_mul", "f32"),
+            Capability("sample", "f32"),
+        }
     )

@@ -71,7 +71,9 @@ _KEYS = (
 )
 
 
-def _finish(config: dict[str, Any], value: Callable[[str], Any], tensors: frozenset[str]) -> dict[str, Any]:
+def _finish(
+    config: dict[str, Any], value: Callable[[str], Any], tensors: frozenset[str]
+) -> dict[str, Any]:
     """The HF view of the settings that are no one-to-one key (see the module docstring)."""
     cfg = {k: v for k, v in config.items() if not k.startswith("gguf.")}
     rope_dim = cfg["qk_rope_head_dim"]
@@ -79,35 +81,53 @@ def _finish(config: dict[str, Any], value: Callable[[str], Any], tensors: frozen
     key_length = config["gguf.key_length_mla"] if mla_keys else config["gguf.key_length"]
     if key_length <= rope_dim:
         key = "key_length_mla" if mla_keys else "key_length"
-        raise ValueError(f"deepseek2.attention.{key} {key_length} leaves no nope dims beside rope.dimension_count "
-                         f"{rope_dim}")
+        raise ValueError(
+            f"deepseek2.attention.{key} {key_length} leaves no nope dims beside "
+            "rope.dimension_count "
+            f"{rope_dim}"
+        )
     cfg["qk_nope_head_dim"] = key_length - rope_dim
     cfg["v_head_dim"] = config["gguf.value_length_mla"] if mla_keys else config["gguf.value_length"]
     # Counts that may be 0, which the core's number keys refuse.
-    for hf_key, gguf_key in (("first_k_dense_replace", "leading_dense_block_count"),
-                             ("n_shared_experts", "expert_shared_count"),
-                             ("num_nextn_predict_layers", "nextn_predict_layers")):
+    for hf_key, gguf_key in (
+        ("first_k_dense_replace", "leading_dense_block_count"),
+        ("n_shared_experts", "expert_shared_count"),
+        ("num_nextn_predict_layers", "nextn_predict_layers"),
+    ):
         count = value(f"deepseek2.{gguf_key}")
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        if count is not None and (
+            isinstance(count, bool) or not isinstance(count, int) or count < 0
+        ):
             raise ValueError(f"deepseek2.{gguf_key} {count!r} is not an integer >= 0")
         cfg[hf_key] = count or 0
     gating = value("deepseek2.expert_gating_func")
     gating = 1 if gating is None else gating
     if gating not in GATING_FUNCS:
-        raise ValueError(f"deepseek2.expert_gating_func {gating!r} is not supported "
-                         f"(supported: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")
+        raise ValueError(
+            f"deepseek2.expert_gating_func {gating!r} is not supported "
+            f"(supported: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})"
+        )
     norm = bool(value("deepseek2.expert_weights_norm") or False)
     grouped = (cfg["n_group"] or 1) > 1
     if GATING_FUNCS[gating] == "sigmoid":
-        cfg |= {"model_type": "deepseek_v3", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                "norm_topk_prob": norm}
+        cfg |= {
+            "model_type": "deepseek_v3",
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": norm,
+        }
     else:
         if cfg["n_routed_experts"] is not None and grouped:
-            raise ValueError("deepseek2.expert_group_count > 1 with softmax gating: llama.cpp scores a group by the sum "
-                             "of its top-2, DeepSeek-V2 by its max; not supported (supported: 1 group)")
+            raise ValueError(
+                "deepseek2.expert_group_count > 1 with softmax gating: llama.cpp scores a group "
+                "by the sum of its top-2, DeepSeek-V2 by its max; not supported "
+                "(supported: 1 group)"
+            )
         if norm:
-            raise ValueError("deepseek2.expert_weights_norm true with softmax gating is no DeepSeek-V2 routing "
-                             "(supported: absent)")
+            raise ValueError(
+                "deepseek2.expert_weights_norm true with softmax gating is no DeepSeek-V2 routing "
+                "(supported: absent)"
+            )
         cfg |= {"model_type": "deepseek_v2", "topk_method": "greedy"}
     cfg["rope_interleave"] = True  # adjacent pairs, as stored (LLAMA_ROPE_TYPE_NORM)
     cfg["kv_b_split"] = "blk.0.attn_k_b.weight" in tensors
@@ -120,7 +140,11 @@ DEEPSEEK2 = GGUFArchMap(
     model_type="deepseek_v2",
     constants={"hidden_act": "silu"},
     keys=_KEYS,
-    global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    global_tensors={
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    },
     block_tensors={
         "attn_norm": "input_layernorm",
         "attn_q": "self_attn.q_proj",

@@ -18,6 +18,7 @@ def zllm_model_families() -> list[FamilyInfo]:
             model_types=("deepseek_v2", "deepseek_v3"),
             factory="zllm_model_deepseek.family:DeepseekFamily",
             gguf_architectures=GGUF_ARCHITECTURES,
-            description="DeepSeek-V2/V3: Multi-head Latent Attention (latent KV cache), MoE with shared experts",
+            description="DeepSeek-V2/V3: Multi-head Latent Attention (latent KV cache), "
+            "MoE with shared experts",
         ),
     ]

@@ -94,7 +94,9 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> DeepseekSpec:
     """
     model_type = cfg.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise CheckpointError(source, f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+        raise CheckpointError(
+            source, f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}"
+        )
 
     def positive_int(key: str, default: Any = None) -> int:
         value = cfg.get(key, default)
@@ -105,7 +107,9 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> DeepseekSpec:
         return value
 
     if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(source, f"hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)")
+        raise CheckpointError(
+            source, f"hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)"
+        )
     try:
         mla, rope = mla_config_from_hf(cfg)
     except (ValueError, TypeError) as e:
@@ -116,7 +120,11 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> DeepseekSpec:
         router = router_config_from_hf(cfg) if any(moe_layers) else None
     except (ValueError, TypeError) as e:
         raise CheckpointError(source, str(e)) from None
-    moe_width = positive_int("moe_intermediate_size") if router is not None else int(cfg.get("moe_intermediate_size") or 0)
+    moe_width = (
+        positive_int("moe_intermediate_size")
+        if router is not None
+        else int(cfg.get("moe_intermediate_size") or 0)
+    )
     n_shared = cfg.get("n_shared_experts") or 0
     if isinstance(n_shared, bool) or not isinstance(n_shared, int) or n_shared < 0:
         raise CheckpointError(source, f"n_shared_experts {n_shared!r} is not an integer >= 0")
@@ -124,7 +132,12 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> DeepseekSpec:
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
         raise CheckpointError(source, f"num_nextn_predict_layers {mtp!r} is not an integer >= 0")
     eps = cfg.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
         raise CheckpointError(source, f"rms_norm_eps {eps!r} is not a finite number >= 0")
     flags = {}
     for key in ("tie_word_embeddings", "attention_bias", "kv_b_split", "experts_stacked"):
