@@ -241,6 +241,35 @@ def test_missing_kv_lora_rank_is_a_one_line_error_naming_the_key(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"first_k_dense_replace": 1, "n_group": 2, "topk_group": 3}, r"topk_group 3 > n_group 2"),
+        (
+            {"first_k_dense_replace": 1, "num_experts_per_tok": 9},
+            r"num_experts_per_tok 9 > n_routed_experts 8",
+        ),
+        (
+            {"first_k_dense_replace": 1, "n_group": 3, "topk_group": 1},
+            r"n_routed_experts 8 is not divisible into n_group 3",
+        ),
+        ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim 7 is not even"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: silu\)"),
+    ],
+)
+def test_contradicting_or_unsupported_settings_are_one_line_errors_naming_the_key(
+    tmp_path, edit, message
+):
+    _, path = _save(tmp_path, "v3-yarn-mscale-1-dense")
+    data = json.loads((path / "config.json").read_text())
+    data.update(edit)
+    (path / "config.json").write_text(json.dumps(data))
+    started = []
+    with pytest.raises(ZllmError, match=message) as e:
+        zllm.Engine.from_config(write_config(tmp_path, path), on_start=started.append)
+    assert "\n" not in str(e.value) and started == []
+
+
 # ----------------------------------------------------------------------------- GGUF
 
 STR, F32, U32, BOOL = (
@@ -270,7 +299,7 @@ _BLOCK = {
 }
 
 
-def _write_gguf(model, path, dst, split_kv_b: bool):
+def _write_gguf(model, path, dst, split_kv_b: bool, extra_kv=None):
     """An f32 ``deepseek2`` GGUF of a saved HF checkpoint as llama.cpp's converter lays it out
     (``DeepseekV2Model``): the MLA metadata (head_count_kv 1, key_length R + Dr, value_length R,
     the per-head dims in the ``*_mla`` keys), YaRN's log multiplier 0.1 * mscale_all_dim, the
@@ -315,6 +344,8 @@ def _write_gguf(model, path, dst, split_kv_b: bool):
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    for key, (value, vtype) in (extra_kv or {}).items():
+        w.add_key_value(key, value, vtype)
     vocab = gguf.GGUFReader(next((MODEL_DIR / "gguf").glob("*f32.gguf")))
     for key, field in vocab.fields.items():
         if key.startswith("tokenizer."):
@@ -377,3 +408,18 @@ def test_gguf_written_from_hf_checkpoint_gives_the_same_tokens(tmp_path, case, s
     assert engine.loaded.spec.kv_b_split is split
     _check_logits(engine.prompt_logits(PROMPT), _hf_logits(model, PROMPT))
     assert _generate(engine)["token_ids"] == _hf_greedy(model)
+
+
+def test_gguf_softmax_router_with_groups_is_refused_naming_the_key(tmp_path):
+    """llama.cpp scores groups by their top-2 sum, DeepSeek-V2 by their max: no faithful reading."""
+    model, path = _save(tmp_path, "v2-q_proj-dense")
+    dst = tmp_path / "grouped.gguf"
+    _write_gguf(
+        model, path, dst, split_kv_b=False, extra_kv={"deepseek2.expert_group_count": (4, U32)}
+    )
+    (tmp_path / "g").mkdir()
+    with pytest.raises(
+        ZllmError, match=r"deepseek2.expert_group_count > 1 with softmax gating"
+    ) as e:
+        zllm.Engine.from_config(write_config(tmp_path / "g", dst))
+    assert "\n" not in str(e.value)
