@@ -14,6 +14,7 @@ from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
+from zllm.domain.moe import RouterConfig, RouterOutput, SharedExperts, select_experts
 from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import (
     ROPE_TYPES,
@@ -54,7 +55,10 @@ __all__ = [
     "ROPE_HALF_ROTATION",
     "ROPE_TYPES",
     "RopeParams",
+    "RouterConfig",
+    "RouterOutput",
     "SamplingRow",
+    "SharedExperts",
     "TensorSpec",
     "default_inv_freq",
     "format_of",
@@ -62,4 +66,5 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "rope_params_from_config",
+    "select_experts",
 ]
