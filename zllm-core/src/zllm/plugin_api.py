@@ -15,7 +15,14 @@ from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
 from zllm.domain.mla import MlaConfig, mla_config_from_hf
-from zllm.domain.moe import RouterConfig, SharedExperts, is_moe_layer, router_config_from_hf
+from zllm.domain.moe import (
+    RouterConfig,
+    RouterOutput,
+    SharedExperts,
+    is_moe_layer,
+    router_config_from_hf,
+    select_experts,
+)
 from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import (
     ROPE_TYPES,
@@ -58,6 +65,7 @@ __all__ = [
     "ROPE_TYPES",
     "RopeParams",
     "RouterConfig",
+    "RouterOutput",
     "SamplingRow",
     "SharedExperts",
     "TensorSpec",
@@ -70,4 +78,5 @@ __all__ = [
     "rope_inv_freq",
     "rope_params_from_config",
     "router_config_from_hf",
+    "select_experts",
 ]

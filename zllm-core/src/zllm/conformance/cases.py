@@ -28,6 +28,7 @@ import torch
 
 from zllm.capabilities.ops import AttentionMetadata, OpTable
 from zllm.domain.attention import first_window_block
+from zllm.domain.moe import RouterConfig, SharedExperts
 from zllm.domain.ops import CORE_OPS
 from zllm.domain.rope import default_inv_freq, rope_cos_sin
 from zllm.weights.formats import BLOCK_LAYOUTS, DENSE_FORMATS, DTYPE_OF_FORMAT, QuantizedTensor
@@ -206,6 +207,85 @@ def embedding_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]
         w = make_weight(g, variant, v, k, scale=1.0)
         cases.append(Case("embedding", variant, f"V={v} K={k} T={len(ids)}", (w, torch.tensor(ids, dtype=torch.int64)),
                           placed=frozenset({0})))
+    return cases
+
+
+def make_expert_stack(g: torch.Generator, fmt: str, e: int, n: int, k: int) -> torch.Tensor | QuantizedTensor:
+    """An expert stack ``[E, N, K]`` in ``fmt``: ``E`` weights of :func:`make_weight`, stacked
+    (a quantized stack holds the experts' blocks as uint8 ``[E, N, bytes per row]``)."""
+    experts = [make_weight(g, fmt, n, k) for _ in range(e)]
+    if isinstance(experts[0], QuantizedTensor):
+        return QuantizedTensor(torch.stack([w.data for w in experts]), fmt, (e, n, k))
+    return torch.stack(experts)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class _MoeShape:
+    """One ``moe`` case: ``t`` tokens, ``e`` experts of width ``n`` over hidden ``k`` (in
+    blocks of the format when it has blocks), the router, and what else the case holds."""
+
+    t: int
+    e: int
+    router: RouterConfig
+    shared: str = "none"  # "none", "ungated" (DeepSeek) or "gated" (Qwen2-MoE)
+    logits: str = "random"  # "random" or "ties" (values from a 5-value set: many exact ties)
+    x_layout: str = "contiguous"
+
+
+def moe_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``moe``: expert stacks in the variant's format; decode (T=1) and batches up to T=33;
+    softmax routers with and without renormalisation (Mixtral, Qwen), top-1, DeepSeek-V2's
+    group-limited greedy with a scaling factor, DeepSeek-V3's sigmoid ``noaux_tc`` with a
+    correction bias; router logits with many exact ties (the lowest expert index must win);
+    shared experts with and without Qwen2-MoE's sigmoid gate; an ``x`` sliced from a wider
+    tensor. Experts no token picked are in most cases (the kernel must skip them)."""
+    blk = _block(variant)
+    hidden, width = (blk, blk) if blk >= 256 else ((2 * blk, blk) if blk > 1 else (72, 40))
+    shapes = [
+        _MoeShape(1, 8, RouterConfig(8, 2, norm_topk_prob=True)),
+        _MoeShape(7, 4, RouterConfig(4, 2), shared="gated", x_layout="column slice"),
+        _MoeShape(33, 8, RouterConfig(8, 2, norm_topk_prob=True), logits="ties"),
+        _MoeShape(12, 8, RouterConfig(8, 2, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                                     topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+                  shared="ungated"),
+        _MoeShape(5, 8, RouterConfig(8, 3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                    routed_scaling_factor=1.5), shared="ungated", logits="ties"),
+        _MoeShape(16, 4, RouterConfig(4, 1)),
+        _MoeShape(1, 6, RouterConfig(6, 4), shared="gated"),
+    ]
+    if quick:
+        shapes = shapes[:4]
+    cases = []
+    for s in shapes:
+        if s.x_layout == "column slice":
+            x = _randn(g, s.t, hidden + 8)[:, 5 : 5 + hidden]  # [T, K], row stride K + 8
+        else:
+            x = _randn(g, s.t, hidden)
+        if s.logits == "ties":
+            logits = torch.randint(-2, 3, (s.t, s.e), generator=g).float()  # [T, E]
+            logits[0] = 0.0  # one row where every expert ties
+        else:
+            logits = _randn(g, s.t, s.e, scale=2.0)  # [T, E]
+        gate = make_expert_stack(g, variant, s.e, width, hidden)  # [E, N, K]
+        up = make_expert_stack(g, variant, s.e, width, hidden)  # [E, N, K]
+        down = make_expert_stack(g, variant, s.e, hidden, width)  # [E, K, N]
+        bias = _randn(g, s.e, scale=0.1) if s.router.topk_method == "noaux_tc" else None
+        shared = None
+        if s.shared != "none":
+            shared = SharedExperts(make_weight(g, variant, width, hidden), make_weight(g, variant, width, hidden),
+                                   make_weight(g, variant, hidden, width),
+                                   _randn(g, 1, hidden) if s.shared == "gated" else None)
+        r = s.router
+        label = (f"T={s.t} E={s.e} k={r.num_experts_per_tok} K={hidden} N={width} {r.scoring_func} "
+                 f"{r.topk_method}" + (f" groups {r.topk_group}/{r.n_group}" if r.topk_method != "greedy" else "")
+                 + (" renormalised" if r.norm_topk_prob else "")
+                 + (f" scale={r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else "")
+                 + (" correction bias" if bias is not None else "")
+                 + (f" shared experts {s.shared}" if shared is not None else "")
+                 + (" tied router logits" if s.logits == "ties" else "")
+                 + (f" x={s.x_layout}" if s.x_layout != "contiguous" else ""))
+        cases.append(Case("moe", variant, label, (x, logits, s.router, gate, up, down, bias, shared),
+                          placed=frozenset({3, 4, 5, 7})))
     return cases
 
 
