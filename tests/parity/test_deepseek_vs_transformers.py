@@ -83,6 +83,21 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "deepseek_v3",
         dict(DENSE, q_lora_rank=24, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
     ),
+    "v2-moe-greedy-shared-scaled": (
+        "deepseek_v2",
+        dict(first_k_dense_replace=1, routed_scaling_factor=1.5),
+    ),
+    "v3-moe-grouped-bias-norm": (
+        "deepseek_v3",
+        dict(
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+        ),
+    ),
     "v3-halves-bias-dense": (
         "deepseek_v3",
         dict(DENSE, rope_interleave=False, attention_bias=True, q_lora_rank=24),
