@@ -91,3 +91,22 @@ def test_withdrawn_capabilities_the_model_does_not_need_leave_it_running_with_th
     cpu = zllm.Engine.from_config(config("cpu")).generate(request)
     assert len(torch_host["token_ids"]) == 24
     assert torch_host["token_ids"] == cpu["token_ids"]
+
+
+def test_an_mla_model_on_the_metal_composition_names_the_missing_mla_capability_before_reading(tmp_path, monkeypatch):
+    """The torch kernels (Metal's whole kernel set) implement no mla_attention: a DeepSeek
+    checkpoint is refused at backend selection, naming the capability, before any weight is read."""
+    from tests.parity.test_deepseek_vs_transformers import _save
+
+    _, path = _save(tmp_path, "v2-q_proj-dense")
+    name = f"zllm_test_torch_host_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(PLUGIN).format(unsupported={}), encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    deepseek = [ep for ep in metadata.entry_points(group="zllm") if ep.name == "deepseek"]
+    host = PluginHost(entry_points=[*deepseek, metadata.EntryPoint("torch-host", name, "zllm")])
+    started = []
+    cfg = {"schema_version": 1, "model": {"path": str(path)}, "backend": {"name": "torch-host"}}
+    with pytest.raises(CapabilityError) as info:
+        zllm.Engine.from_config(cfg, host=host, on_start=started.append)
+    assert info.value.missing == ["mla_attention[paged]"] and started == []
+    assert "model family 'deepseek'" in str(info.value)

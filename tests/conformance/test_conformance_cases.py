@@ -77,3 +77,33 @@ def test_weight_cases_store_weights_in_the_variants_format(fmt):
     assert all(format_of(c.args[1]) == fmt for c in cases)
     assert any(c.args[0].shape[0] == 1 for c in cases)  # a decode row
     assert any(not c.args[0].is_contiguous() for c in cases)
+
+
+def test_mla_cases_cover_block_sizes_batch_kinds_cache_dtypes_and_kv_b_formats():
+    cases = cases_for("mla_attention", "paged", seed=0)
+    labels = " ".join(c.label for c in cases)
+    assert {1, 5, 16} <= {c.args[3].shape[1] for c in cases}
+    for kind in ("new-prefill", "append-prefill", "decode", "decode+new-prefill+append-prefill"):
+        assert kind in labels
+    assert {torch.float32, torch.float16, torch.bfloat16} <= {c.args[3].dtype for c in cases}
+    assert {"f32", "bf16", "q8_0"} <= {c.label.split("kv_b_proj=")[1].split()[0] for c in cases}
+    assert all(not c.args[0].is_contiguous() for c in cases)  # q_nope/q_pe split from one query
+    assert all(c.written == (3,) for c in cases)  # the latent cache, nothing else
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
+def test_moe_cases_cover_decode_batches_ties_groups_bias_and_shared_experts(fmt):
+    from zllm.weights.formats import format_of
+
+    cases = cases_for("moe", fmt, seed=0)
+    routers = [c.args[2] for c in cases]
+    assert all(format_of(c.args[3]) == fmt and c.args[3].shape[0] == c.args[2].num_experts for c in cases)
+    assert {1} < {c.args[0].shape[0] for c in cases}  # decode rows and batches
+    assert {r.topk_method for r in routers} == {"greedy", "group_limited_greedy", "noaux_tc"}
+    assert {r.norm_topk_prob for r in routers} == {True, False}
+    assert any(c.args[6] is not None for c in cases)  # a correction bias
+    shared = [c.args[7] for c in cases if c.args[7] is not None]
+    assert {s.shared_expert_gate is None for s in shared} == {True, False}
+    tied = [c for c in cases if "tied" in c.label]
+    assert tied and all(bool((c.args[1][0] == c.args[1][0, 0]).all()) for c in tied)  # a row of all-equal logits
+    assert any(not c.args[0].is_contiguous() for c in cases)

@@ -14,6 +14,15 @@ from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
+from zllm.domain.mla import MlaConfig, mla_config_from_hf
+from zllm.domain.moe import (
+    RouterConfig,
+    RouterOutput,
+    SharedExperts,
+    is_moe_layer,
+    router_config_from_hf,
+    select_experts,
+)
 from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import (
     ROPE_TYPES,
@@ -47,6 +56,7 @@ __all__ = [
     "KVLayerSpec",
     "KVTensor",
     "KernelRegistry",
+    "MlaConfig",
     "PLUGIN_API_VERSION",
     "QuantizedTensor",
     "REQUIRED",
@@ -54,12 +64,19 @@ __all__ = [
     "ROPE_HALF_ROTATION",
     "ROPE_TYPES",
     "RopeParams",
+    "RouterConfig",
+    "RouterOutput",
     "SamplingRow",
+    "SharedExperts",
     "TensorSpec",
     "default_inv_freq",
     "format_of",
     "hookimpl",
+    "is_moe_layer",
+    "mla_config_from_hf",
     "rope_cos_sin",
     "rope_inv_freq",
     "rope_params_from_config",
+    "router_config_from_hf",
+    "select_experts",
 ]

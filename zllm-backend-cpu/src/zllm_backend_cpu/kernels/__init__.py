@@ -15,7 +15,9 @@ highest; batch-invariant mode the highest batch-invariant one):
 - -2: torch, batch-invariant (:data:`INVARIANT_KERNELS`).
 
 The other ops follow the same rule: the native kernels (:data:`NATIVE_KERNELS`: RMSNorm, add +
-RMSNorm, RoPE, SiLU-and-mul, paged attention) at priority 1 over the torch ones at 0.
+RMSNorm, RoPE, SiLU-and-mul, paged attention, the MoE FFN over native GEMV) at priority 1 over
+the torch ones at 0; ``moe`` has batch-invariant kernels at -1 (native) and -2 (torch) as
+``linear`` does.
 
 When the native library is unavailable, the torch kernels of the ops and formats it would serve
 carry the reason as their registry note, so ``zllm run --explain`` says why the torch path runs.
@@ -43,8 +45,10 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("rope", ("gptj",), f"{_PKG}.rope:rope_gptj"),
     ("attention", ("paged",), f"{_PKG}.attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
+    ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
     ("sample", ("f32",), f"{_PKG}.sampling:sample"),
+    ("moe", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe:moe"),
 ]
 
 #: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
@@ -58,7 +62,9 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", QUANT_FORMATS, f"{_PKG}.invariant:linear_quant_invariant"),
     ("attention", ("paged",), f"{_PKG}.invariant:attention_invariant"),
     ("attention_sliding", ("paged",), f"{_PKG}.invariant:attention_sliding_invariant"),
+    ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention_invariant"),
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
+    ("moe", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe:moe_invariant"),
 ]
 
 #: Native kernels (:mod:`zllm_backend_cpu.kernels.native`), registered at priority 1 when the
@@ -72,6 +78,7 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("silu_mul", ("f32",), f"{_PKG}.elementwise:silu_mul"),
     ("attention", ("paged",), f"{_PKG}.paged_attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
+    ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv"),
 ]
 
 #: Ops of :data:`NATIVE_KERNELS` whose kernels are batch-invariant (each row alone, in a fixed
@@ -81,6 +88,7 @@ NATIVE_INVARIANT_AS_IS = frozenset({"rms_norm", "add_rms_norm", "rope", "silu_mu
 #: Batch-invariant native GEMV kernels, registered at priority -1 when the library loads.
 NATIVE_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", GEMV_FORMATS, f"{_PKG}.gemv:linear_gemv_invariant"),
+    ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv_invariant"),
 ]
 
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)

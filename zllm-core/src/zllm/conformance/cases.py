@@ -7,7 +7,7 @@ vocabulary, ``NB`` KV blocks, ``BS`` block size, ``MB`` max blocks per sequence.
 Every case is made on the CPU from a seeded ``torch.Generator`` (no global RNG), so one seed
 gives the same cases on every machine. The cases cover what real batches contain: odd
 sizes, one-token decode rows, KV contexts crossing block edges (block sizes 1, 5, 16), GQA
-ratios 1, 2, 4, 8 and MQA, New Prefill / Append Prefill / decode / mixed batches, sliding
+ratios 1, 2, 4, 8 and MQA, MLA latent caches, New Prefill / Append Prefill / decode / mixed batches, sliding
 windows whose early blocks were freed (-1 in the block table), activations that are views
 into a fused tensor (the q/k/v split of a fused QKV projection, the gate/up halves of a fused
 MLP projection), weights in every format of a variant (dense f32/f16/bf16; q8_0, q4_0, q4_1,
@@ -28,6 +28,7 @@ import torch
 
 from zllm.capabilities.ops import AttentionMetadata, OpTable
 from zllm.domain.attention import first_window_block
+from zllm.domain.moe import RouterConfig, SharedExperts
 from zllm.domain.ops import CORE_OPS
 from zllm.domain.rope import default_inv_freq, rope_cos_sin
 from zllm.weights.formats import BLOCK_LAYOUTS, DENSE_FORMATS, DTYPE_OF_FORMAT, QuantizedTensor
@@ -209,6 +210,85 @@ def embedding_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]
     return cases
 
 
+def make_expert_stack(g: torch.Generator, fmt: str, e: int, n: int, k: int) -> torch.Tensor | QuantizedTensor:
+    """An expert stack ``[E, N, K]`` in ``fmt``: ``E`` weights of :func:`make_weight`, stacked
+    (a quantized stack holds the experts' blocks as uint8 ``[E, N, bytes per row]``)."""
+    experts = [make_weight(g, fmt, n, k) for _ in range(e)]
+    if isinstance(experts[0], QuantizedTensor):
+        return QuantizedTensor(torch.stack([w.data for w in experts]), fmt, (e, n, k))
+    return torch.stack(experts)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class _MoeShape:
+    """One ``moe`` case: ``t`` tokens, ``e`` experts of width ``n`` over hidden ``k`` (in
+    blocks of the format when it has blocks), the router, and what else the case holds."""
+
+    t: int
+    e: int
+    router: RouterConfig
+    shared: str = "none"  # "none", "ungated" (DeepSeek) or "gated" (Qwen2-MoE)
+    logits: str = "random"  # "random" or "ties" (values from a 5-value set: many exact ties)
+    x_layout: str = "contiguous"
+
+
+def moe_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``moe``: expert stacks in the variant's format; decode (T=1) and batches up to T=33;
+    softmax routers with and without renormalisation (Mixtral, Qwen), top-1, DeepSeek-V2's
+    group-limited greedy with a scaling factor, DeepSeek-V3's sigmoid ``noaux_tc`` with a
+    correction bias; router logits with many exact ties (the lowest expert index must win);
+    shared experts with and without Qwen2-MoE's sigmoid gate; an ``x`` sliced from a wider
+    tensor. Experts no token picked are in most cases (the kernel must skip them)."""
+    blk = _block(variant)
+    hidden, width = (blk, blk) if blk >= 256 else ((2 * blk, blk) if blk > 1 else (72, 40))
+    shapes = [
+        _MoeShape(1, 8, RouterConfig(8, 2, norm_topk_prob=True)),
+        _MoeShape(7, 4, RouterConfig(4, 2), shared="gated", x_layout="column slice"),
+        _MoeShape(33, 8, RouterConfig(8, 2, norm_topk_prob=True), logits="ties"),
+        _MoeShape(12, 8, RouterConfig(8, 2, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                                     topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+                  shared="ungated"),
+        _MoeShape(5, 8, RouterConfig(8, 3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                    routed_scaling_factor=1.5), shared="ungated", logits="ties"),
+        _MoeShape(16, 4, RouterConfig(4, 1)),
+        _MoeShape(1, 6, RouterConfig(6, 4), shared="gated"),
+    ]
+    if quick:
+        shapes = shapes[:4]
+    cases = []
+    for s in shapes:
+        if s.x_layout == "column slice":
+            x = _randn(g, s.t, hidden + 8)[:, 5 : 5 + hidden]  # [T, K], row stride K + 8
+        else:
+            x = _randn(g, s.t, hidden)
+        if s.logits == "ties":
+            logits = torch.randint(-2, 3, (s.t, s.e), generator=g).float()  # [T, E]
+            logits[0] = 0.0  # one row where every expert ties
+        else:
+            logits = _randn(g, s.t, s.e, scale=2.0)  # [T, E]
+        gate = make_expert_stack(g, variant, s.e, width, hidden)  # [E, N, K]
+        up = make_expert_stack(g, variant, s.e, width, hidden)  # [E, N, K]
+        down = make_expert_stack(g, variant, s.e, hidden, width)  # [E, K, N]
+        bias = _randn(g, s.e, scale=0.1) if s.router.topk_method == "noaux_tc" else None
+        shared = None
+        if s.shared != "none":
+            shared = SharedExperts(make_weight(g, variant, width, hidden), make_weight(g, variant, width, hidden),
+                                   make_weight(g, variant, hidden, width),
+                                   _randn(g, 1, hidden) if s.shared == "gated" else None)
+        r = s.router
+        label = (f"T={s.t} E={s.e} k={r.num_experts_per_tok} K={hidden} N={width} {r.scoring_func} "
+                 f"{r.topk_method}" + (f" groups {r.topk_group}/{r.n_group}" if r.topk_method != "greedy" else "")
+                 + (" renormalised" if r.norm_topk_prob else "")
+                 + (f" scale={r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else "")
+                 + (" correction bias" if bias is not None else "")
+                 + (f" shared experts {s.shared}" if shared is not None else "")
+                 + (" tied router logits" if s.logits == "ties" else "")
+                 + (f" x={s.x_layout}" if s.x_layout != "contiguous" else ""))
+        cases.append(Case("moe", variant, label, (x, logits, s.router, gate, up, down, bias, shared),
+                          placed=frozenset({3, 4, 5, 7})))
+    return cases
+
+
 # ---------------------------------------------------------------------------- norms, rope, activation
 
 
@@ -309,14 +389,12 @@ class _Seq:
         return "new-prefill" if self.q == self.ctx else "append-prefill"
 
 
-def _paged_case(g: torch.Generator, op: str, variant: str, *, h: int, hkv: int, d: int, bs: int, seqs: list[_Seq],
-                window: int | None = None, fused: bool = False, cache_dtype: torch.dtype = torch.float32,
-                note: str = "") -> Case:
-    """A paged-attention batch: blocks handed out in random order, unused cache slots (and
-    freed blocks) holding random values, so a kernel reading past a context or before a
-    window's first block gets a wrong answer instead of a lucky zero. With a 16-bit
-    ``cache_dtype`` (``runtime.kv_cache.dtype``) the new keys/values are representable in it,
-    so every correct conversion stores them exactly."""
+def _paged_layout(g: torch.Generator, seqs: list[_Seq], bs: int,
+                  window: int | None = None) -> tuple[int, torch.Tensor, list[int], int]:
+    """``(NB, block_tables int64 [S, MB], slots of the new tokens, freed blocks)``: each
+    sequence's blocks handed out in random order from a pool with two spare blocks, every
+    row padded with at least one -1, and with ``window`` the blocks wholly before the first
+    query's window set to -1 (the KV cache freed them)."""
     n_blocks = [-(-s.ctx // bs) for s in seqs]
     num_blocks = sum(n_blocks) + 2
     order = torch.randperm(num_blocks, generator=g).tolist()
@@ -332,6 +410,18 @@ def _paged_case(g: torch.Generator, op: str, variant: str, *, h: int, hkv: int, 
             table[i, :first] = -1  # the KV cache freed them: the kernel must not read them
             freed += first
         slots += [blocks[p // bs] * bs + p % bs for p in range(s.ctx - s.q, s.ctx)]
+    return num_blocks, table, slots, freed
+
+
+def _paged_case(g: torch.Generator, op: str, variant: str, *, h: int, hkv: int, d: int, bs: int, seqs: list[_Seq],
+                window: int | None = None, fused: bool = False, cache_dtype: torch.dtype = torch.float32,
+                note: str = "") -> Case:
+    """A paged-attention batch: blocks handed out in random order, unused cache slots (and
+    freed blocks) holding random values, so a kernel reading past a context or before a
+    window's first block gets a wrong answer instead of a lucky zero. With a 16-bit
+    ``cache_dtype`` (``runtime.kv_cache.dtype``) the new keys/values are representable in it,
+    so every correct conversion stores them exactly."""
+    num_blocks, table, slots, freed = _paged_layout(g, seqs, bs, window)
     t = sum(s.q for s in seqs)
     if fused:
         q, k, v = _fused_split(g, t, (h, hkv, hkv), d)
@@ -396,6 +486,43 @@ def attention_sliding_cases(variant: str, g: torch.Generator, quick: bool) -> li
     if quick:
         specs = specs[1:3]
     return [_paged_case(g, op, variant, **s) for s in specs]
+
+
+def mla_attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``mla_attention[paged]``: New Prefill across block edges, Append Prefill over cached
+    latent rows, decode batches at and past block boundaries, mixed batches; block sizes 1,
+    5, 16; f32, f16 and bf16 latent caches; ``kv_b_proj`` in f32, bf16 and q8_0; ``q_nope`` and
+    ``q_pe`` as views of one projected query (DeepSeek's ``q.split([Dn, Dr])``). Dimension
+    names as in :mod:`zllm.domain.mla` (``R`` kv_lora_rank, ``Dn``/``Dr``/``Dv`` head dims)."""
+    _only(variant, "mla_attention", ("paged",))
+    specs = [  # (H, Dn, Dr, Dv, R, BS, seqs, cache dtype, kv_b_proj format)
+        (4, 16, 8, 16, 32, 16, [_Seq(37, 37)], torch.float32, "f32"),
+        (2, 8, 4, 12, 16, 5, [_Seq(1, 23), _Seq(1, 5), _Seq(1, 1), _Seq(1, 11)], torch.float32, "f32"),
+        (3, 16, 8, 8, 32, 1, [_Seq(6, 6), _Seq(3, 9), _Seq(1, 12)], torch.float32, "q8_0"),
+        (4, 8, 8, 8, 24, 16, [_Seq(5, 35), _Seq(1, 17), _Seq(1, 16)], torch.float16, "f32"),
+        (8, 16, 4, 16, 32, 5, [_Seq(1, 23), _Seq(11, 11), _Seq(4, 14)], torch.bfloat16, "bf16"),
+        (1, 32, 16, 32, 64, 16, [_Seq(9, 70), _Seq(1, 48)], torch.float32, "f32"),
+    ]
+    if quick:
+        specs = [specs[0], specs[1], specs[3]]
+    cases = []
+    for h, dn, dr, dv, r, bs, seqs, cache_dtype, fmt in specs:
+        num_blocks, table, slots, _ = _paged_layout(g, seqs, bs)
+        t = sum(s.q for s in seqs)
+        q_nope, q_pe = _randn(g, t, h * (dn + dr)).view(t, h, dn + dr).split([dn, dr], dim=-1)
+        latent = _randn(g, t, r + dr)
+        latent_cache = _randn(g, num_blocks, bs, r + dr).to(cache_dtype)
+        if cache_dtype != torch.float32:
+            latent.copy_(latent.to(cache_dtype))
+        kv_b_proj = make_weight(g, fmt, h * (dn + dv), r)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), table, tuple(s.q for s in seqs),
+                                 tuple(s.ctx for s in seqs), (dn + dr) ** -0.5)
+        kinds = "+".join(s.kind for s in seqs)
+        label = (f"{kinds} (q,ctx)={[(s.q, s.ctx) for s in seqs]} H={h} Dn={dn} Dr={dr} Dv={dv} R={r} BS={bs} "
+                 f"kv_b_proj={fmt}" + (f" cache {DENSE_FORMATS[cache_dtype]}" if cache_dtype != torch.float32 else ""))
+        cases.append(Case("mla_attention", variant, label, (q_nope, q_pe, latent, latent_cache, kv_b_proj, meta),
+                          placed=frozenset({3, 4}), written=(3,)))
+    return cases
 
 
 # ---------------------------------------------------------------------------- sampling

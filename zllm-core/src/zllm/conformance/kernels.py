@@ -24,6 +24,7 @@ from zllm.capabilities.backend import BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, OpTable, SamplingRow
 from zllm.conformance.cases import DISTRIBUTION_TOLERANCE, Case, NoCases, SampleRowSpec, cases_for
 from zllm.conformance.report import CaseResult
+from zllm.domain.moe import SharedExperts
 from zllm.domain.ops import CORE_OPS
 from zllm.kernels.registry import KernelEntry, KernelRegistry
 from zllm.weights.formats import QuantizedTensor
@@ -57,6 +58,32 @@ def place_weight(backend: Any, w: torch.Tensor | QuantizedTensor, copy: bool = F
     return backend.place(w.clone() if copy else w)
 
 
+def _shared_parts(shared: SharedExperts) -> tuple:
+    return shared.gate_proj, shared.up_proj, shared.down_proj, shared.shared_expert_gate
+
+
+def _placed(backend: Any, a: Any) -> Any:
+    """A placed copy of a weight, or of MoE shared experts with each of their weights placed."""
+    if isinstance(a, SharedExperts):
+        gate = a.shared_expert_gate
+        return SharedExperts(place_weight(backend, a.gate_proj, True), place_weight(backend, a.up_proj, True),
+                             place_weight(backend, a.down_proj, True),
+                             None if gate is None else backend.place(gate.clone()))
+    return place_weight(backend, a, copy=True)
+
+
+def _cloned(a: Any) -> Any:
+    """A CPU copy of a tensor, a quantized weight or shared experts (anything else as is)."""
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    if isinstance(a, QuantizedTensor):
+        return QuantizedTensor(a.data.clone(), a.fmt, a.shape)
+    if isinstance(a, SharedExperts):
+        return SharedExperts(_cloned(a.gate_proj), _cloned(a.up_proj), _cloned(a.down_proj),
+                             _cloned(a.shared_expert_gate))
+    return a
+
+
 def _sampling_row(spec: SampleRowSpec, device: torch.device, seed_offset: int) -> SamplingRow:
     generator = torch.Generator(device=device)
     generator.manual_seed(spec.seed + seed_offset)
@@ -72,7 +99,7 @@ def backend_args(case: Case, backend: Any, seed_offset: int = 0) -> list:
     out: list = []
     for i, a in enumerate(case.args):
         if i in case.placed and a is not None:
-            out.append(place_weight(backend, a, copy=True))
+            out.append(_placed(backend, a))
         elif isinstance(a, torch.Tensor):
             out.append(_to_device(a, device))
         elif isinstance(a, AttentionMetadata):
@@ -90,14 +117,10 @@ def reference_args(case: Case, seed_offset: int = 0) -> list:
     """CPU copies of the case's inputs for the f32 reference (caches copied: it writes them)."""
     out: list = []
     for a in case.args:
-        if isinstance(a, torch.Tensor):
-            out.append(a.clone())
-        elif isinstance(a, QuantizedTensor):
-            out.append(QuantizedTensor(a.data.clone(), a.fmt, a.shape))
-        elif isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
+        if isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
             out.append([_sampling_row(r, torch.device("cpu"), seed_offset) for r in a])
         else:
-            out.append(a)
+            out.append(_cloned(a))
     return out
 
 
@@ -130,12 +153,19 @@ def changed_inputs(case: Case, given: list) -> list[str]:
             pairs = [(original.data, arg.data)]
         elif isinstance(original, AttentionMetadata) and isinstance(arg, AttentionMetadata):
             pairs = [(original.slot_mapping, arg.slot_mapping), (original.block_tables, arg.block_tables)]
+        elif isinstance(original, SharedExperts) and isinstance(arg, SharedExperts):
+            pairs = [(_data(o), _data(a)) for o, a in zip(_shared_parts(original), _shared_parts(arg), strict=True)
+                     if o is not None and a is not None]
         else:
             continue
         if not all(_same_values(o, a) for o, a in pairs):
             changed.append(names[i] if i < len(names) else f"argument {i}")
     return changed
 
+
+
+def _data(w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    return w.data if isinstance(w, QuantizedTensor) else w
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:

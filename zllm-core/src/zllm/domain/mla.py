@@ -47,7 +47,7 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from zllm.capabilities.ops import AttentionMetadata
+from zllm.capabilities.ops import AttentionMetadata, OpDeclaration
 from zllm.domain.attention import causal_softmax_attention, gather_context
 from zllm.domain.linear import linear, weight_to_f32
 from zllm.domain.norm import rms_norm
@@ -471,3 +471,20 @@ def mla_attention(
     return linear(
         out.reshape(x.shape[0], cfg.num_heads * cfg.v_head_dim), w.o_proj, w.o_proj_bias
     )  # [T, K]
+
+
+OPS = (
+    OpDeclaration(
+        name="mla_attention",
+        variants=("paged",),
+        args=("q_nope", "q_pe", "latent", "latent_cache", "kv_b_proj", "meta"),
+        signature="(q_nope f32 [T, H, Dn], q_pe f32 [T, H, Dr] rotated, latent f32 [T, R + Dr], "
+        "latent_cache [NB, BS, R + Dr], kv_b_proj [H * (Dn + Dv), R] dense or quantized, "
+        "meta AttentionMetadata) -> f32 [T, H, Dv]; writes latent at meta.slot_mapping first; "
+        "causal, bottom-right aligned; score (q_nope . k_nope + q_pe . k_pe) * meta.scale with "
+        "k_nope, v from kv_b_proj of the cached latent (expanded or absorbed: equal to f32 "
+        "rounding)",
+        reference="zllm.domain.mla:mla_paged_attention",
+        cases="zllm.conformance.cases:mla_attention_cases",
+    ),
+)

@@ -49,9 +49,10 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from zllm.capabilities.ops import OpDeclaration
 from zllm.domain.activation import silu_mul
 from zllm.domain.linear import linear
-from zllm.weights.formats import QuantizedTensor
+from zllm.weights.formats import ALL_FORMATS, QuantizedTensor
 
 #: ``scoring_func`` values: how router logits become expert scores.
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -377,6 +378,41 @@ def moe_ffn(
     return out
 
 
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    router: RouterConfig,
+    gate_exps: ExpertStack,
+    up_exps: ExpertStack,
+    down_exps: ExpertStack,
+    correction_bias: torch.Tensor | None = None,
+    shared: SharedExperts | None = None,
+) -> torch.Tensor:
+    """The ``moe`` op: :func:`select_experts` on the router logits, then :func:`moe_ffn`.
+
+    Args:
+        x: f32 ``[T, K]``.
+        router_logits: f32 ``[T, E]``; the model computes them as ``linear(x, gate_inp)`` and
+            keeps them f32 (the router's choice is sensitive to rounding).
+        router: the layer's :class:`RouterConfig`.
+        gate_exps, up_exps: ``[E, N, K]``; down_exps: ``[E, K, N]`` (dense or a quantized
+            stack; the op's variant is their format).
+        correction_bias: f32 ``[E]`` for ``noaux_tc`` routers (DeepSeek-V3), else None.
+        shared: the layer's shared experts, or None.
+
+    Returns:
+        f32 ``[T, K]``.
+    """
+    return moe_ffn(
+        x,
+        select_experts(router_logits, router, correction_bias),
+        gate_exps,
+        up_exps,
+        down_exps,
+        shared,
+    )
+
+
 def router_config_from_hf(cfg: dict[str, Any]) -> RouterConfig:
     """The routing settings of an HF config dict (``config.json``) of a MoE model type.
 
@@ -506,3 +542,32 @@ def is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
     raise ValueError(
         f"model_type {model_type!r} has no MoE layers (supported: {', '.join(MOE_MODEL_TYPES)})"
     )
+
+
+OPS = (
+    OpDeclaration(
+        name="moe",
+        variants=ALL_FORMATS,
+        args=(
+            "x",
+            "router_logits",
+            "router",
+            "gate_exps",
+            "up_exps",
+            "down_exps",
+            "correction_bias",
+            "shared",
+        ),
+        weight_arg="gate_exps",
+        optional_args=("correction_bias", "shared"),
+        signature=(
+            "(x f32 [T, K], router_logits f32 [T, E], router RouterConfig, gate_exps [E, N, K], "
+            "up_exps [E, N, K], down_exps [E, K, N], correction_bias f32 [E] or None, "
+            "shared SharedExperts or None) -> f32 [T, K] = sum over the k selected experts e of "
+            "w[t, e] * down_e(silu(gate_e x[t]) * up_e x[t]) + shared(x[t]); experts chosen by "
+            "select_experts (ties: lowest expert index); variant = format of the expert stacks"
+        ),
+        reference="zllm.domain.moe:moe",
+        cases="zllm.conformance.cases:moe_cases",
+    ),
+)

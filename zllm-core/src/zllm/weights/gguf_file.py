@@ -180,6 +180,11 @@ class GGUFCheckpoint(Checkpoint):
         for flag, base in m.bias_flags.items():
             config[flag] = any(f"blk.{i}.{base}.bias" in self._raw for i in range(config["num_hidden_layers"]))
         config.update(self._special_ids())
+        if m.finish_config is not None:
+            try:
+                config = m.finish_config(config, self._value, frozenset(self._raw))
+            except ValueError as e:
+                raise CheckpointError(str(self.path), str(e)) from None
         return config
 
     def _special_ids(self) -> dict[str, int]:
@@ -207,7 +212,9 @@ class GGUFCheckpoint(Checkpoint):
             name = base = None
             if block := _BLOCK_TENSOR.fullmatch(t.name):
                 layer, base, kind = block.groups()
-                if base in m.block_tensors:
+                if f"{base}.{kind}" in m.block_tensors:
+                    name = f"model.layers.{layer}.{m.block_tensors[f'{base}.{kind}']}"
+                elif base in m.block_tensors:
                     name = f"model.layers.{layer}.{m.block_tensors[base]}.{kind}"
             elif glob := _GLOBAL_TENSOR.fullmatch(t.name):
                 base, kind = glob.groups()

@@ -26,6 +26,7 @@ What is shared by every architecture lives here (llama.cpp, ggml-org/llama.cpp):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -73,6 +74,17 @@ class GGUFArchMap:
         bias_flags: HF config flag → GGUF per-block tensor whose ``.bias`` presence sets it.
         rope_layout: row layout of Q/K in the file (:data:`ROPE_ADJACENT_PAIR` or
             :data:`ROPE_HALF_ROTATION`).
+        finish_config: for settings that are a function of several keys, of keys that are
+            not numbers (flags), or of which tensors the file holds: called last as
+            ``finish_config(config, value, tensor_names)`` with the config built so far,
+            ``value(key)`` (the decoded metadata value of ``key``, None if absent) and the
+            file's GGUF tensor names; returns the finished config. It may raise ``ValueError``
+            (reported as a checkpoint error naming the file). None: the config is complete.
+
+    A ``block_tensors`` key may name the kind too (``exp_probs_b.bias``): that GGUF tensor maps
+    to the value as the whole HF name after ``model.layers.N.``
+    (``mlp.gate.e_score_correction_bias``), for HF names that do not end in ``.weight`` or
+    ``.bias`` or whose kind differs.
     """
 
     model_type: str
@@ -82,6 +94,7 @@ class GGUFArchMap:
     block_tensors: dict[str, str]
     bias_flags: dict[str, str]
     rope_layout: str
+    finish_config: Callable[[dict[str, Any], Callable[[str], Any], frozenset[str]], dict[str, Any]] | None = None
 
 
 #: GGUF tensor holding per-frequency RoPE divisors (llama3 scaling); read into the config
@@ -109,11 +122,18 @@ def rope_scaling_config(get: Any, arch: str) -> dict[str, Any] | None:
         raise ValueError(f"RoPE scaling {kind!r} needs {arch}.rope.scaling.factor")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
-    for key, neutral in (("attn_factor", 1.0), ("yarn_log_multiplier", 0.0)):
-        value = get(f"{arch}.rope.scaling.{key}")
-        if value is not None and float(value) != neutral:
-            raise ValueError(f"YaRN {arch}.rope.scaling.{key} = {value} is not supported (supported: absent or {neutral})")
+    attn_factor = get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None and float(attn_factor) != 1.0:
+        raise ValueError(f"YaRN {arch}.rope.scaling.attn_factor = {attn_factor} is not supported "
+                         "(supported: absent or 1)")
     scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+    log_multiplier = get(f"{arch}.rope.scaling.yarn_log_multiplier")
+    if log_multiplier is not None and float(log_multiplier) != 0.0:
+        # DeepSeek YaRN: convert_hf_to_gguf.py writes 0.1 * mscale_all_dim; llama.cpp
+        # (llm_build_deepseek2) scales the scores by mscale(mscale_all_dim)^2 and leaves
+        # cos/sin unscaled, which is HF's cos/sin factor mscale(mscale) / mscale(mscale_all_dim)
+        # with mscale == mscale_all_dim.
+        scaling["mscale_all_dim"] = scaling["mscale"] = float(log_multiplier) / 0.1
     original = get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)

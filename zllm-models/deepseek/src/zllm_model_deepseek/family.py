@@ -1,0 +1,189 @@
+"""The DeepSeek family: config -> spec, needed capabilities, tensor specs, model factory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zllm.plugin_api import Capability, TensorSpec
+from zllm_model_deepseek.model import DeepseekModel
+from zllm_model_deepseek.spec import DeepseekSpec, spec_from_config
+
+#: The dense formats a split ``k_b_proj``/``v_b_proj`` may have: they are re-joined into
+#: ``kv_b_proj`` at load, which a block-quantized ``k_b_proj`` (rows of ``Dn``, transposed)
+#: cannot be without decoding it.
+SPLIT_KV_B_FORMATS = ("f32", "f16", "bf16")
+#: MTP tensors besides a decoder layer's (DeepSeek-V3 ``model.layers.{L}.*``).
+MTP_EXTRA = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
+
+
+def _attention_specs(spec: DeepseekSpec, optional: bool) -> dict[str, TensorSpec]:
+    """``self_attn.*`` tensors of one layer, by name after ``model.layers.{i}.``."""
+    m, k = spec.mla, spec.hidden_size
+    h, dn, dr, dv, r = (
+        m.num_heads,
+        m.qk_nope_head_dim,
+        m.qk_rope_head_dim,
+        m.v_head_dim,
+        m.kv_lora_rank,
+    )
+    specs: dict[str, tuple[int, ...]] = {
+        "self_attn.kv_a_proj_with_mqa.weight": (r + dr, k),
+        "self_attn.kv_a_layernorm.weight": (r,),
+        "self_attn.o_proj.weight": (k, h * dv),
+    }
+    if m.q_lora_rank is None:
+        specs["self_attn.q_proj.weight"] = (h * (dn + dr), k)
+    else:
+        specs |= {
+            "self_attn.q_a_proj.weight": (m.q_lora_rank, k),
+            "self_attn.q_a_layernorm.weight": (m.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (h * (dn + dr), m.q_lora_rank),
+        }
+    if spec.attention_bias:
+        specs |= {"self_attn.kv_a_proj_with_mqa.bias": (r + dr,), "self_attn.o_proj.bias": (k,)}
+        if m.q_lora_rank is not None:
+            specs["self_attn.q_a_proj.bias"] = (m.q_lora_rank,)
+    out = {name: TensorSpec(shape, optional=optional) for name, shape in specs.items()}
+    if spec.kv_b_split:
+        out["self_attn.k_b_proj.weight"] = TensorSpec((h, r, dn), SPLIT_KV_B_FORMATS, optional)
+        out["self_attn.v_b_proj.weight"] = TensorSpec((h, dv, r), SPLIT_KV_B_FORMATS, optional)
+    else:
+        out["self_attn.kv_b_proj.weight"] = TensorSpec((h * (dn + dv), r), optional=optional)
+    return out
+
+
+def _ffn_specs(spec: DeepseekSpec, moe: bool, optional: bool) -> dict[str, TensorSpec]:
+    """``mlp.*`` tensors of one layer, by name after ``model.layers.{i}.``."""
+    k = spec.hidden_size
+    if not moe:
+        f = spec.intermediate_size
+        dense = {
+            "mlp.gate_proj.weight": (f, k),
+            "mlp.up_proj.weight": (f, k),
+            "mlp.down_proj.weight": (k, f),
+        }
+        return {name: TensorSpec(shape, optional=optional) for name, shape in dense.items()}
+    e, n, ns = spec.num_experts, spec.moe_intermediate_size, spec.shared_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, k)}
+    if spec.model_type == "deepseek_v3":
+        shapes["mlp.gate.e_score_correction_bias"] = (e,)
+    if spec.experts_stacked:
+        shapes |= {
+            "mlp.experts.gate_proj": (e, n, k),
+            "mlp.experts.up_proj": (e, n, k),
+            "mlp.experts.down_proj": (e, k, n),
+        }
+    else:
+        for x in range(e):
+            shapes |= {
+                f"mlp.experts.{x}.gate_proj.weight": (n, k),
+                f"mlp.experts.{x}.up_proj.weight": (n, k),
+                f"mlp.experts.{x}.down_proj.weight": (k, n),
+            }
+    if ns:
+        shapes |= {
+            "mlp.shared_experts.gate_proj.weight": (ns, k),
+            "mlp.shared_experts.up_proj.weight": (ns, k),
+            "mlp.shared_experts.down_proj.weight": (k, ns),
+        }
+    return {name: TensorSpec(shape, optional=optional) for name, shape in shapes.items()}
+
+
+class DeepseekFamily:
+    """Factory for DeepSeek-V2/V3 models (see :class:`zllm.domain.family.ModelFamily`)."""
+
+    name = "deepseek"
+
+    def parse_config(self, config: dict[str, Any], source: str) -> DeepseekSpec:
+        return spec_from_config(config, source)
+
+    def tensor_specs(self, spec: DeepseekSpec) -> dict[str, TensorSpec]:
+        k, v = spec.hidden_size, spec.vocab_size
+        specs = {
+            "model.embed_tokens.weight": TensorSpec((v, k)),
+            "model.norm.weight": TensorSpec((k,)),
+            # A tied checkpoint may still store lm_head.weight (equal to the embedding).
+            "lm_head.weight": TensorSpec((v, k), optional=spec.tie_word_embeddings),
+        }
+        layers = [(i, moe, False) for i, moe in enumerate(spec.moe_layers)]
+        # MTP layers: loaded when present, never required (transformers drops them on save).
+        layers += [(spec.num_layers + j, True, True) for j in range(spec.num_nextn_predict_layers)]
+        for i, moe, optional in layers:
+            p = f"model.layers.{i}."
+            specs[p + "input_layernorm.weight"] = TensorSpec((k,), optional=optional)
+            specs[p + "post_attention_layernorm.weight"] = TensorSpec((k,), optional=optional)
+            specs |= {p + name: s for name, s in _attention_specs(spec, optional).items()}
+            specs |= {
+                p + name: s
+                for name, s in _ffn_specs(spec, moe and spec.router is not None, optional).items()
+            }
+            if optional:
+                mtp = {
+                    "enorm": (k,),
+                    "hnorm": (k,),
+                    "eh_proj": (k, 2 * k),
+                    "shared_head.norm": (k,),
+                    "shared_head.head": (v, k),
+                    "embed_tokens": (v, k),
+                }
+                specs |= {
+                    f"{p}{name}.weight": TensorSpec(mtp[name], optional=True) for name in MTP_EXTRA
+                }
+        return specs
+
+    def required_capabilities(
+        self, spec: DeepseekSpec, weight_formats: dict[str, str]
+    ) -> frozenset[Capability]:
+        embed_fmt = weight_formats["model.embed_tokens.weight"]
+        head_fmt = (
+            embed_fmt
+            if spec.tie_word_embeddings
+            else weight_formats.get("lm_head.weight", embed_fmt)
+        )
+        decoder = [f"model.layers.{i}." for i in range(spec.num_layers)]
+        linear_fmts = {head_fmt} | {
+            fmt
+            for name, fmt in weight_formats.items()
+            if any(name.startswith(p) for p in decoder)
+            and name.endswith("_proj.weight")
+            and ".experts." not in name
+            and not name.endswith(("k_b_proj.weight", "v_b_proj.weight", "kv_b_proj.weight"))
+        }
+        expert_fmts = {
+            fmt
+            for name, fmt in weight_formats.items()
+            if any(name.startswith(p + "mlp.experts.") for p in decoder)
+        }
+        return _capabilities(embed_fmt, linear_fmts, expert_fmts, ropes={spec.rope_variant})
+
+    def format_capabilities(self, fmt: str) -> frozenset[Capability]:
+        # The most any checkpoint of this family may need with every weight in ``fmt`` (for
+        # ``zllm compat``): both RoPE layouts (deepseek_v3's rope_interleave false rotates
+        # half-split pairs) and MoE layers.
+        return _capabilities(fmt, {fmt}, {fmt}, ropes={"gptj", "neox"})
+
+    def build(self, spec: DeepseekSpec, weights: dict[str, Any], ops: Any) -> DeepseekModel:
+        return DeepseekModel(spec, weights, ops)
+
+
+def _capabilities(
+    embed_fmt: str, linear_fmts: set[str], expert_fmts: set[str], ropes: set[str]
+) -> frozenset[Capability]:
+    """The one place that lists what a DeepSeek model needs, shared by ``required_capabilities``
+    and ``format_capabilities`` so the compatibility matrix and the load-time check agree.
+    ``kv_b_proj`` is read by ``mla_attention`` itself, in any format; the router's logits
+    come from an f32 copy of its weight (router math stays f32)."""
+    router_fmts = {"f32"} if expert_fmts else set()
+    return frozenset(
+        {Capability("embedding", embed_fmt)}
+        | {Capability("linear", fmt) for fmt in linear_fmts | router_fmts}
+        | {Capability("moe", fmt) for fmt in expert_fmts}
+        | {Capability("rope", variant) for variant in ropes}
+        | {
+            Capability("mla_attention", "paged"),
+            Capability("rms_norm", "f32"),
+            Capability("add_rms_norm", "f32"),
+            Capability("silu_mul", "f32"),
+            Capability("sample", "f32"),
+        }
+    )

@@ -1,0 +1,249 @@
+"""The DeepSeek-V2/V3 forward pass, top to bottom: MLA attention, dense or MoE FFN.
+
+Dimension legend: T tokens in the batch, S' rows that need logits, C hidden size, H heads,
+Dn/Dr/Dv the nope/rope/value head dims, R kv_lora_rank, W = R + Dr one cached latent row,
+Rq q_lora_rank, F dense FFN size, E routed experts, N expert width, V vocabulary.
+Every op goes through ``ops`` (the backend's bound kernels); this file names no backend.
+
+Sources: DeepSeek-V2 (arXiv:2405.04434 §2.1 MLA, §2.2 DeepSeekMoE), DeepSeek-V3
+(arXiv:2412.19437); transformers 5's ``DeepseekV2DecoderLayer`` / ``DeepseekV3DecoderLayer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from zllm.plugin_api import (
+    AttentionMetadata,
+    KVCacheSpec,
+    KVLayerSpec,
+    KVTensor,
+    SharedExperts,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from zllm_model_deepseek.spec import DeepseekSpec
+
+
+@attrs.frozen
+class MoeWeights:
+    """One MoE FFN: router weight f32 ``[E, C]``, its correction bias f32 ``[E]`` (V3) or None,
+    expert stacks ``[E, N, C]`` / ``[E, N, C]`` / ``[E, C, N]``, and the shared experts."""
+
+    gate: torch.Tensor
+    correction_bias: torch.Tensor | None
+    gate_exps: Any
+    up_exps: Any
+    down_exps: Any
+    shared: SharedExperts | None
+
+
+@attrs.frozen
+class DeepseekLayer:
+    """The weights of one decoder layer (q_proj or the q_a/q_b pair; dense ``mlp`` or ``moe``)."""
+
+    attn_norm: Any
+    mlp_norm: Any
+    kv_a: Any
+    kv_a_norm: Any
+    kv_b: Any
+    o: Any
+    q: Any = None
+    q_a: Any = None
+    q_a_norm: Any = None
+    q_b: Any = None
+    q_a_bias: Any = None
+    kv_a_bias: Any = None
+    o_bias: Any = None
+    gate: Any = None
+    up: Any = None
+    down: Any = None
+    moe: MoeWeights | None = None
+
+
+def _kv_b(w: dict[str, Any], p: str, spec: DeepseekSpec) -> Any:
+    """``kv_b_proj [H * (Dn + Dv), R]``; a GGUF file's split ``k_b_proj [H, R, Dn]`` (transposed,
+    llama.cpp's converter) and ``v_b_proj [H, Dv, R]`` are joined back per head, once."""
+    if not spec.kv_b_split:
+        return w[p + "self_attn.kv_b_proj.weight"]
+    k_b, v_b = w[p + "self_attn.k_b_proj.weight"], w[p + "self_attn.v_b_proj.weight"]
+    joined = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [H, Dn + Dv, R]
+    return joined.reshape(-1, spec.mla.kv_lora_rank).contiguous()
+
+
+def _experts(w: dict[str, Any], p: str, spec: DeepseekSpec, proj: str) -> Any:
+    """The ``[E, ., .]`` stack of one expert projection, stacked once from per-expert tensors."""
+    if spec.experts_stacked:
+        return w[f"{p}mlp.experts.{proj}"]
+    return torch.stack([w[f"{p}mlp.experts.{e}.{proj}.weight"] for e in range(spec.num_experts)])
+
+
+def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    fields: dict[str, Any] = dict(
+        attn_norm=w[p + "input_layernorm.weight"],
+        mlp_norm=w[p + "post_attention_layernorm.weight"],
+        kv_a=w[a + "kv_a_proj_with_mqa.weight"],
+        kv_a_norm=w[a + "kv_a_layernorm.weight"],
+        kv_b=_kv_b(w, p, spec),
+        o=w[a + "o_proj.weight"],
+        q=w.get(a + "q_proj.weight"),
+        q_a=w.get(a + "q_a_proj.weight"),
+        q_a_norm=w.get(a + "q_a_layernorm.weight"),
+        q_b=w.get(a + "q_b_proj.weight"),
+        q_a_bias=w.get(a + "q_a_proj.bias"),
+        kv_a_bias=w.get(a + "kv_a_proj_with_mqa.bias"),
+        o_bias=w.get(a + "o_proj.bias"),
+    )
+    if not spec.moe_layers[i]:
+        return DeepseekLayer(
+            **fields,
+            gate=w[p + "mlp.gate_proj.weight"],
+            up=w[p + "mlp.up_proj.weight"],
+            down=w[p + "mlp.down_proj.weight"],
+        )
+    shared = None
+    if spec.shared_intermediate_size:
+        s = p + "mlp.shared_experts."
+        shared = SharedExperts(
+            w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
+        )
+    bias = w.get(p + "mlp.gate.e_score_correction_bias")
+    moe = MoeWeights(
+        gate=w[
+            p + "mlp.gate.weight"
+        ].float(),  # router logits in f32: a bf16 router flips expert choices
+        correction_bias=None if bias is None else bias.float(),
+        gate_exps=_experts(w, p, spec, "gate_proj"),
+        up_exps=_experts(w, p, spec, "up_proj"),
+        down_exps=_experts(w, p, spec, "down_proj"),
+        shared=shared,
+    )
+    return DeepseekLayer(**fields, moe=moe)
+
+
+class DeepseekModel:
+    """A runnable DeepSeek-V2/V3 model over bound kernels ``ops``."""
+
+    def __init__(self, spec: DeepseekSpec, weights: dict[str, Any], ops: Any):
+        self.spec, self.ops = spec, ops
+        self.vocab_size = spec.vocab_size
+        self.context_length = spec.context_length
+        m = spec.mla
+        # One latent row per token and layer, no V (DeepSeek-V2 §2.1.2); scores scaled by
+        # (Dn + Dr) ** -0.5 times YaRN's mscale(mscale_all_dim) ** 2.
+        self.kv_spec = KVCacheSpec(
+            (KVLayerSpec((KVTensor("latent", 1, m.latent_dim),)),) * spec.num_layers,
+            attention_scale=m.softmax_scale,
+        )
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers = [_layer(weights, i, spec) for i in range(spec.num_layers)]
+        # MTP layers (num_nextn_predict_layers) stay loaded, unused, for speculative decoding.
+        mtp = tuple(
+            f"model.layers.{spec.num_layers + j}." for j in range(spec.num_nextn_predict_layers)
+        )
+        self.mtp_weights = {k: v for k, v in weights.items() if mtp and k.startswith(mtp)}
+        self.inv_freq, self.rope_attention_factor = rope_inv_freq(
+            m.qk_rope_head_dim, spec.rope
+        )  # [Dr/2], YaRN factor
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope = ops.variant("rope", spec.rope_variant)
+
+    def rope_cos_sin_rows(
+        self, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` f32 ``[T, Dr/2]`` gathered from a table over positions ``0..P-1`` that
+        grows to the next power of two (as the llama family's; rows are computed independently)."""
+        need = max(meta.context_lens)
+        table = self._rope_table
+        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+            rows = min(1 << (need - 1).bit_length(), max(need, self.context_length))
+            grid = torch.arange(rows, dtype=torch.int64, device=positions.device)
+            table = rope_cos_sin(
+                grid, self.inv_freq.to(positions.device), self.rope_attention_factor
+            )
+            self._rope_table = table
+        return table[0][positions], table[1][positions]
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` (see
+        ``zllm.domain.family.Model``); ``kv_caches[i]`` is layer ``i``'s
+        ``(latent_cache [NB, BS, 1, W],)``."""
+        ops, eps = self.ops, self.spec.rms_norm_eps
+        cos, sin = self.rope_cos_sin_rows(positions, meta)  # [T, Dr/2] each
+        residual = ops.embedding(self.embed, token_ids)  # [T, C]
+        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
+        for i, (layer, (latent_cache,)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            attn = self.attention(layer, x, cos, sin, meta, latent_cache[:, :, 0])  # [T, C]
+            x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
+            ffn = self.ffn(layer, x)  # [T, C]
+            if i + 1 < len(self.layers):
+                x, residual = ops.add_rms_norm(ffn, residual, self.layers[i + 1].attn_norm, eps)
+            else:
+                residual = ffn[logits_indices] + residual[logits_indices]  # [S', C]
+        x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
+        return ops.linear(x, self.lm_head)  # [S', V]
+
+    def attention(
+        self,
+        layer: DeepseekLayer,
+        x: torch.Tensor,
+        cos,
+        sin,
+        meta: AttentionMetadata,
+        latent_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA (DeepSeek-V2 §2.1): queries, the latent row ``[RMSNorm(c_kv) | rotated k_pe]`` to
+        cache, attention over the cached rows, ``o_proj``. ``latent_cache`` ``[NB, BS, W]``."""
+        ops, m = self.ops, self.spec.mla
+        t, h, dn, r = x.shape[0], m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
+        if layer.q is not None:
+            q = ops.linear(x, layer.q)  # [T, H * (Dn + Dr)]
+        else:
+            q_a = ops.rms_norm(
+                ops.linear(x, layer.q_a, layer.q_a_bias), layer.q_a_norm, m.latent_norm_eps
+            )  # [T, Rq]
+            q = ops.linear(q_a, layer.q_b)  # [T, H * (Dn + Dr)]
+        q = q.view(t, h, m.qk_head_dim)
+        q_nope = q[..., :dn]  # [T, H, Dn]
+        q_pe = self._rope(q[..., dn:].contiguous(), cos, sin)  # [T, H, Dr]
+        kv_a = ops.linear(x, layer.kv_a, layer.kv_a_bias)  # [T, R + Dr]
+        c_kv = ops.rms_norm(kv_a[:, :r], layer.kv_a_norm, m.latent_norm_eps)  # [T, R]
+        k_pe = self._rope(
+            kv_a[:, None, r:].contiguous(), cos, sin
+        )  # [T, 1, Dr]: one rope key for all heads
+        latent = torch.cat([c_kv, k_pe[:, 0]], dim=-1)  # [T, W]
+        out = ops.mla_attention(q_nope, q_pe, latent, latent_cache, layer.kv_b, meta)  # [T, H, Dv]
+        return ops.linear(out.reshape(t, h * m.v_head_dim), layer.o, layer.o_bias)  # [T, C]
+
+    def ffn(self, layer: DeepseekLayer, x: torch.Tensor) -> torch.Tensor:
+        """The dense SwiGLU MLP, or the MoE FFN with its shared experts (DeepSeek-V2 §2.2)."""
+        ops, moe = self.ops, layer.moe
+        if moe is None:
+            return ops.linear(
+                ops.silu_mul(ops.linear(x, layer.gate), ops.linear(x, layer.up)), layer.down
+            )  # [T, C]
+        router_logits = ops.linear(x, moe.gate)  # [T, E] f32
+        return ops.moe(
+            x,
+            router_logits,
+            self.spec.router,
+            moe.gate_exps,
+            moe.up_exps,
+            moe.down_exps,
+            moe.correction_bias,
+            moe.shared,
+        )  # [T, C]
