@@ -23,7 +23,9 @@ EXAMPLE_SRC = REPO / "examples" / "third-party-backend" / "src"
 
 def test_committed_compatibility_md_equals_zllm_compat_output():
     env = {k: v for k, v in os.environ.items() if k != "ZLLM_PLUGINS"}  # every installed plugin
-    proc = subprocess.run([str(ZLLM), "compat", "--format", "md"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(ZLLM), "compat", "--format", "md"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     committed = (REPO / "COMPATIBILITY.md").read_text(encoding="utf-8")
     if proc.stdout != committed:
@@ -104,8 +106,9 @@ def test_kernel_evidence_for_an_undeclared_capability_or_unloaded_backend_is_rep
 
 
 def test_a_claim_the_capabilities_contradict_stays_unsupported_and_is_reported(host, tmp_path):
-    path = write_verified(tmp_path, '[[cell]]\nfamily = "llama"\nbackend = "example"\nformat = "gguf-Q8_0"\ntests = ["t.py::t"]\n'
-                                    '[[cell]]\nfamily = "gpt9"\nbackend = "example"\nformat = "hf-f32"\ntests = ["t.py::u"]\n')
+    path = write_verified(tmp_path,
+                          '[[cell]]\nfamily = "llama"\nbackend = "example"\nformat = "gguf-Q8_0"\ntests = ["t.py::t"]\n'
+                          '[[cell]]\nfamily = "gpt9"\nbackend = "example"\nformat = "hf-f32"\ntests = ["t.py::u"]\n')
     matrix = compute_matrix(host, path)
     assert cell(matrix, "gguf-Q8_0").status == "unsupported"
     assert matrix.notes == (
@@ -118,12 +121,13 @@ def test_a_claim_the_capabilities_contradict_stays_unsupported_and_is_reported(h
 @pytest.mark.parametrize(("body", "key"), [
     ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f8"\ntests = ["t.py::t"]\n', "cell[0].format"),
     ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\n', "cell[0].tests"),
-    ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\nstatus = "declared"\ntests = ["t.py::t"]\n', "cell[0].status"),
+    ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\nstatus = "declared"\ntests = ["t.py::t"]\n',
+     "cell[0].status"),
     ('[[cell]]\nfamily = "llama"\nformat = "hf-f32"\ntests = ["t.py::t"]\n', "cell[0].backend"),
     ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\ntest = ["t.py::t"]\n', "cell[0].test"),
     ('[[cells]]\nfamily = "llama"\n', "cells"),
-    ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\nstatus = "kernel-verified"\ntests = ["t.py::t"]\n',
-     "cell[0].status"),
+    ('[[cell]]\nfamily = "llama"\nbackend = "cpu"\nformat = "hf-f32"\nstatus = "kernel-verified"\n'
+     'tests = ["t.py::t"]\n', "cell[0].status"),
     ('[[kernel]]\nbackend = "cuda"\ncapability = "rms_norm"\ntests = ["t.py::t"]\n', "kernel[0].capability"),
     ('[[kernel]]\nbackend = "cuda"\ncapability = "rms_norm[f32]"\n', "kernel[0].tests"),
     ('[[kernel]]\ncapability = "rms_norm[f32]"\ntests = ["t.py::t"]\n', "kernel[0].backend"),
@@ -161,7 +165,10 @@ def test_render_reports_core_api_and_each_plugins_distribution_version_api_and_c
     md = render(matrix, "md")
     assert "Core plugin API: **1.1**" in md
     llama = next(p for p in matrix.plugins if p.name == "llama")
-    assert f"| llama | zllm-model-llama | {llama.version} | family:llama, family:mistral, family:qwen2, family:qwen3 | loaded | 1.1 | {llama.requires_core} |" in md
+    assert (
+        f"| llama | zllm-model-llama | {llama.version} | family:llama, family:mistral, family:qwen2, family:qwen3 "
+        f"| loaded | 1.1 | {llama.requires_core} |"
+    ) in md
     assert md.count("| example | declared |") == 1
 
     data = json.loads(render(matrix, "json"))
@@ -175,8 +182,12 @@ def test_render_reports_core_api_and_each_plugins_distribution_version_api_and_c
 
 def test_cli_verified_option_names_the_file_and_rejects_a_missing_one(tmp_path):
     path = write_verified(tmp_path, "")
-    ok = subprocess.run([str(ZLLM), "compat", "--format", "json", "--verified", str(path)], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [str(ZLLM), "compat", "--format", "json", "--verified", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["verified_file"] == str(path)
-    bad = subprocess.run([str(ZLLM), "compat", "--verified", str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [str(ZLLM), "compat", "--verified", str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "nope.toml: no such file" in bad.stderr

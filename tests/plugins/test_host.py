@@ -26,7 +26,9 @@ def test_installed_cpu_backend_and_llama_family_arrive_through_entry_points(inst
     assert records["llama"].status == "loaded", records["llama"].reason
     assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.0")
     assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.1")
-    assert records["cpu"].kinds == ["backend:cpu"] and records["llama"].kinds == ["family:llama", "family:mistral", "family:qwen2", "family:qwen3"]
+    assert records["cpu"].kinds == ["backend:cpu"] and records["llama"].kinds == [
+        "family:llama", "family:mistral", "family:qwen2", "family:qwen3"
+    ]
     assert "cpu" in host.backends and "llama" in host.families
 
 
@@ -42,7 +44,9 @@ def test_record_reports_distribution_version_api_and_core_requirement(plugins):
     ep = plugins.backend("acme", dist="zllm-backend-acme", version="3.2.1")
     host = PluginHost(entry_points=[ep])
     (rec,) = host.records
-    assert (rec.name, rec.distribution, rec.version, rec.status, rec.api) == ("acme", "zllm-backend-acme", "3.2.1", "loaded", "1.0")
+    assert (rec.name, rec.distribution, rec.version, rec.status, rec.api) == (
+        "acme", "zllm-backend-acme", "3.2.1", "loaded", "1.0"
+    )
     assert set(rec.requires_core.split(",")) == {">=0.1", "<0.2"}
     assert rec.kinds == ["backend:acme"]
 
@@ -82,7 +86,9 @@ def test_allowlist_name_matching_no_plugin_warns_instead_of_silently_loading_not
 
 
 def test_plugin_raising_on_import_is_skipped_with_warning_and_others_keep_working(plugins):
-    broken = plugins.dist("broken", "raise RuntimeError('driver table is corrupt')\n", dist="zllm-backend-broken", version="0.3.0")
+    broken = plugins.dist(
+        "broken", "raise RuntimeError('driver table is corrupt')\n", dist="zllm-backend-broken", version="0.3.0"
+    )
     good = plugins.backend("good")
 
     with pytest.warns(PluginWarning) as caught:

@@ -39,7 +39,8 @@ def api2_copy(dst: Path) -> Path:
     pkg.rename(dst / "src" / "zllm_backend_example2")
     for path in [dst / "pyproject.toml", *(dst / "src" / "zllm_backend_example2").glob("*.py")]:
         text = path.read_text(encoding="utf-8")
-        text = (text.replace("zllm-backend-example", "zllm-backend-example2").replace("zllm_backend_example", "zllm_backend_example2")
+        text = (text.replace("zllm-backend-example", "zllm-backend-example2")
+                .replace("zllm_backend_example", "zllm_backend_example2")
                 .replace('example = "', 'example2 = "').replace('BACKEND = "example"', 'BACKEND = "example2"')
                 .replace('ZLLM_PLUGIN_API = "1.0"', 'ZLLM_PLUGIN_API = "2.0"'))
         path.write_text(text, encoding="utf-8")
@@ -86,7 +87,9 @@ def test_wheel_installs_only_into_the_throwaway_venv(venv):
 
 
 def test_example_backend_is_discovered_and_api2_copy_is_skipped_with_warning(venv):
-    proc = subprocess.run([str(venv), "-m", "zllm.cli.main", "plugins", "--json"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [str(venv), "-m", "zllm.cli.main", "plugins", "--json"], capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["example"]["status"] == "loaded", rows["example"]
@@ -96,7 +99,10 @@ def test_example_backend_is_discovered_and_api2_copy_is_skipped_with_warning(ven
     assert rows["cpu"]["status"] == rows["llama"]["status"] == "loaded"
 
     assert rows["example2"]["status"] == "skipped"
-    assert "warning: zllm plugin 'example2' (zllm-backend-example2 0.1.0) skipped: targets plugin API 2.0 but this zllm-core speaks 1.1" in proc.stderr
+    assert (
+        "warning: zllm plugin 'example2' (zllm-backend-example2 0.1.0) skipped: "
+        "targets plugin API 2.0 but this zllm-core speaks 1.1"
+    ) in proc.stderr
 
 
 def test_example_backend_is_capability_checked_and_selectable(venv):
@@ -131,7 +137,8 @@ def test_example_backend_is_capability_checked_and_selectable(venv):
 def test_example_backend_generates_the_same_text_as_the_cpu_backend(venv):
     def run(backend: str) -> str:
         proc = subprocess.run(
-            [str(venv), "-m", "zllm.cli.main", "run", "--config", str(CONFIG), "--backend", backend, "--max-new-tokens", "24"],
+            [str(venv), "-m", "zllm.cli.main", "run", "--config", str(CONFIG), "--backend", backend,
+             "--max-new-tokens", "24"],
             capture_output=True, text=True, timeout=240,
         )
         assert proc.returncode == 0, proc.stderr
@@ -153,10 +160,13 @@ def test_example_kernels_match_the_f32_references(monkeypatch):
     from zllm.plugins.host import PluginHost
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
-    host = PluginHost(entry_points=[metadata.EntryPoint(name="example", value="zllm_backend_example.plugin", group="zllm")])
+    host = PluginHost(
+        entry_points=[metadata.EntryPoint(name="example", value="zllm_backend_example.plugin", group="zllm")]
+    )
 
     def both(op: str, variant: str):
-        return host.kernels.lookup(op, "example", variant).fn, host.kernels.lookup(op, "example", variant, force_reference=True).fn
+        return (host.kernels.lookup(op, "example", variant).fn,
+                host.kernels.lookup(op, "example", variant, force_reference=True).fn)
 
     g = torch.Generator().manual_seed(0)
     t, h, hkv, d, k, n, v = 7, 4, 2, 8, 16, 12, 20

@@ -49,8 +49,9 @@ def test_plain_f32_linear_drifts_with_the_row_count():
 
 
 @settings(max_examples=30, deadline=None)
-@given(fmt=st.sampled_from(["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]), n=st.sampled_from([7, 64, 172, 333]),
-       k_blocks=st.integers(1, 12), bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(fmt=st.sampled_from(["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]),
+       n=st.sampled_from([7, 64, 172, 333]), k_blocks=st.integers(1, 12), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_invariant_linear_rows_are_bit_identical_for_every_row_count_and_position(fmt, n, k_blocks, bias, seed):
     g = torch.Generator().manual_seed(seed)
     k = 32 * k_blocks

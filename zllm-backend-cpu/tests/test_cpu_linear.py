@@ -29,7 +29,9 @@ def make_weight(fmt: str, n: int, k: int, g: torch.Generator, scale_bits: list[i
     d = torch.rand(n, k // 32, 1, generator=g) / (Q_RANGE[fmt] * k**0.5)
     raw[..., :2] = d.half().view(torch.uint8)
     if len(F16_FIELDS[fmt]) == 2:  # m = -d * midpoint, jittered: weights of about zero mean
-        raw[..., 2:4] = (-d * Q_RANGE[fmt] * (0.75 + 0.5 * torch.rand(n, k // 32, 1, generator=g))).half().view(torch.uint8)
+        raw[..., 2:4] = (
+            (-d * Q_RANGE[fmt] * (0.75 + 0.5 * torch.rand(n, k // 32, 1, generator=g))).half().view(torch.uint8)
+        )
     return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
 
 

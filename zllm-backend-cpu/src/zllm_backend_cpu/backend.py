@@ -26,7 +26,9 @@ class CpuBackend:
 
     def __init__(self, threads: int | None = None, device: str | None = None):
         if device not in (None, "cpu"):
-            raise ValueError(f"the cpu backend runs on the host CPU only: device must be 'cpu' or unset, got {device!r}")
+            raise ValueError(
+                f"the cpu backend runs on the host CPU only: device must be 'cpu' or unset, got {device!r}"
+            )
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if threads is None:
             threads = cores

@@ -33,7 +33,8 @@ def zllm_backends() -> list[BackendInfo]:
             factory="zllm_backend_cpu.backend:CpuBackend",
             capabilities=CAPABILITIES,
             priority=0,
-            description="torch CPU kernels + native decode kernels (GEMV, norms, RoPE, paged attention); f32 compute, weights f32/f16/bf16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/K-quants",
+            description="torch CPU kernels + native decode kernels (GEMV, norms, RoPE, paged attention); "
+            "f32 compute, weights f32/f16/bf16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/K-quants",
         )
     ]
 

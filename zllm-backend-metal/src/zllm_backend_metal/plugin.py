@@ -11,4 +11,5 @@ ZLLM_PLUGIN_API = "1.0"
 
 zllm_backends, zllm_register_kernels = backend_hooks(
     "metal", "zllm_backend_metal.backend:MetalBackend", list(TORCH_KERNELS), priority=10,
-    registered_by="zllm-backend-metal", description="Apple GPUs through torch MPS; weights f32/f16/bf16 (macOS 14+)/Q8_0")
+    registered_by="zllm-backend-metal",
+    description="Apple GPUs through torch MPS; weights f32/f16/bf16 (macOS 14+)/Q8_0")

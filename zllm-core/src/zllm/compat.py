@@ -198,11 +198,15 @@ def _tables(path: Path, data: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return tables
 
 
-def _fields(path: Path, where: str, raw: dict[str, Any], strings: tuple[str, ...], optional: tuple[str, ...]) -> tuple[str, ...]:
+def _fields(
+    path: Path, where: str, raw: dict[str, Any], strings: tuple[str, ...], optional: tuple[str, ...]
+) -> tuple[str, ...]:
     """Check the keys of one table and its required strings; return its ``tests`` list."""
     extra = sorted(set(raw) - {*strings, *optional, "tests"})
     if extra:
-        raise ConfigError(f"{where}.{extra[0]}", f"{path}: unknown key; expected {', '.join((*strings, *optional, 'tests'))}")
+        raise ConfigError(
+            f"{where}.{extra[0]}", f"{path}: unknown key; expected {', '.join((*strings, *optional, 'tests'))}"
+        )
     for key in strings:
         if not isinstance(raw.get(key), str):
             raise ConfigError(f"{where}.{key}", f"{path}: required string")
@@ -295,9 +299,13 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
     notes = []
     for k in evidence.kernels:
         if k.backend not in host.backends:
-            notes.append(f"kernel {k.capability} on {k.backend}: listed as kernel-verified but the backend is not loaded")
+            notes.append(
+                f"kernel {k.capability} on {k.backend}: listed as kernel-verified but the backend is not loaded"
+            )
         elif k.capability not in {str(c) for c in host.backends[k.backend].capabilities}:
-            notes.append(f"kernel {k.capability} on {k.backend}: listed as kernel-verified but the backend does not declare it")
+            notes.append(
+                f"kernel {k.capability} on {k.backend}: listed as kernel-verified but the backend does not declare it"
+            )
     for (fam, be, fmt), e in sorted(claims.items()):
         if fam in host.families and be in host.backends:
             notes.append(f"{fam} x {be} x {fmt}: listed as {e.status} but the backend lacks needed capabilities")
@@ -336,7 +344,10 @@ def _families(matrix: CompatMatrix) -> list[str]:
 
 def _plugin_table(matrix: CompatMatrix) -> tuple[list[str], list[list[str]]]:
     head = ["plugin", "distribution", "version", "provides", "status", "plugin API", "accepts zllm-core"]
-    rows = [[p.name, p.distribution, p.version, p.kind, p.status, p.api or "-", p.requires_core or "any"] for p in matrix.plugins]
+    rows = [
+        [p.name, p.distribution, p.version, p.kind, p.status, p.api or "-", p.requires_core or "any"]
+        for p in matrix.plugins
+    ]
     return head, rows
 
 
@@ -354,7 +365,8 @@ def _render_md(matrix: CompatMatrix) -> str:
         "",
         f"Core plugin API: **{matrix.core_api}** (zllm-core {matrix.core_version})",
         "",
-        "Evidence for verified cells: " + (f"`{matrix.verified_file}`" if matrix.verified_file else "none (no compat/verified.toml found)"),
+        "Evidence for verified cells: "
+        + (f"`{matrix.verified_file}`" if matrix.verified_file else "none (no compat/verified.toml found)"),
         "",
         "Statuses: *verified* (a listed test ran the model on this backend against the oracle),"
         " *kernel-verified* (every kernel the cell binds ran against the f32 reference without a device:"

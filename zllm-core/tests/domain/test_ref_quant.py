@@ -43,7 +43,10 @@ def quantized_bytes(draw, fmt: str) -> tuple[np.ndarray, int, int]:
     layout = BLOCK_LAYOUTS[fmt]
     rows = draw(st.integers(1, 4))
     n_blocks = draw(st.integers(1, 4))
-    raw = np.frombuffer(draw(st.binary(min_size=rows * n_blocks * layout.type_size, max_size=rows * n_blocks * layout.type_size)), dtype=np.uint8)
+    raw = np.frombuffer(
+        draw(st.binary(min_size=rows * n_blocks * layout.type_size, max_size=rows * n_blocks * layout.type_size)),
+        dtype=np.uint8,
+    )
     raw = raw.copy().reshape(rows, n_blocks, layout.type_size)
     for offset in F16_FIELDS[fmt]:
         bits = draw(st.lists(st.one_of(st.integers(0, 0xFFFF), st.sampled_from(SPECIAL_F16_BITS)),
@@ -82,7 +85,9 @@ def test_blocks_from_the_gguf_quantizer_decode_as_gguf_decodes_them_within_a_ste
     d = torch.from_numpy(raw.reshape(9, 5, -1)[..., :2].copy().view(np.float16).astype(np.float32))  # [9, 5, 1]
     err = (got.view(9, 5, 32) - torch.from_numpy(w32).view(9, 5, 32)).abs()
     step = 1.0 if fmt == "q5_0" else 0.5
-    assert bool((err <= d.abs() * step + 2e-3 * torch.from_numpy(w32).view(9, 5, 32).abs().amax(-1, keepdim=True)).all())
+    assert bool(
+        (err <= d.abs() * step + 2e-3 * torch.from_numpy(w32).view(9, 5, 32).abs().amax(-1, keepdim=True)).all()
+    )
 
 
 @pytest.mark.parametrize("fmt", sorted(BLOCK_LAYOUTS))

@@ -70,11 +70,14 @@ def _byte_level_tokenizer(specials: list[str], bos: str | None) -> HFTokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=420, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=420, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(SENTENCES * 3, trainer)
     if bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
     return tok
 
 
@@ -125,7 +128,9 @@ def _tf_ids(tf, messages) -> list[int]:
 def test_render_chat_matches_transformers_apply_chat_template(dirs, kind, conv):
     ours, tf = _ours(dirs[kind]), _transformers(dirs[kind])
     messages = CONVERSATIONS[conv]
-    assert render_chat_text(ours, messages) == tf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_chat_text(ours, messages) == tf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert render_chat(ours, messages) == _tf_ids(tf, messages)
 
 
@@ -189,7 +194,9 @@ def test_special_text_in_content_the_template_rewrites_is_refused(dirs):
 
 def test_template_rejecting_a_system_message_is_a_request_error(dirs):
     ours = _ours(dirs["chatml"], NO_SYSTEM)
-    with pytest.raises(RequestError, match="chat template rejected the conversation: System role not supported") as info:
+    with pytest.raises(
+        RequestError, match="chat template rejected the conversation: System role not supported"
+    ) as info:
         render_chat(ours, CONVERSATIONS[1])
     assert info.value.field == "messages"
     assert render_chat(ours, CONVERSATIONS[0])  # fine without one
@@ -242,9 +249,9 @@ def test_template_sources_list_form_and_jinja_file_precedence(dirs):
     with pytest.raises(RequestError, match="no chat template named 'rag'.*default, tool_use"):
         render_chat(tok, CONVERSATIONS[0], template_name="rag")
     # chat_template.jinja (transformers 5's way of saving) wins over tokenizer_config.json.
-    assert Tokenizer.from_hf_files(d / "tokenizer.json", listed, chat_template_files={"default": "J"}).chat_templates == {
-        "default": "J"
-    }
+    assert Tokenizer.from_hf_files(
+        d / "tokenizer.json", listed, chat_template_files={"default": "J"}
+    ).chat_templates == {"default": "J"}
     with pytest.raises(CheckpointError, match="chat_template must be a string or a list"):
         Tokenizer.from_hf_files(d / "tokenizer.json", {**config, "chat_template": {"default": "D"}})
 

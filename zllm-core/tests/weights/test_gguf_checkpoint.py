@@ -58,8 +58,12 @@ def test_stories_gguf_config_matches_hf():
     cfg = open_checkpoint(STORIES_GGUF_F32).config
     assert {k: cfg[k] for k in CONFIG_KEYS} == {k: hf[k] for k in CONFIG_KEYS}
     assert cfg["rope_interleaved"] is True and "rope_interleaved" not in hf
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (64, 5, 8, 4)
-    assert (cfg["intermediate_size"], cfg["rms_norm_eps"], cfg["rope_theta"], cfg["vocab_size"]) == (172, 1e-5, 10000.0, 512)
+    assert (
+        cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    ) == (64, 5, 8, 4)
+    assert (
+        cfg["intermediate_size"], cfg["rms_norm_eps"], cfg["rope_theta"], cfg["vocab_size"]
+    ) == (172, 1e-5, 10000.0, 512)
     assert cfg["tie_word_embeddings"] is True
 
 
@@ -140,7 +144,9 @@ def test_gguf_tensors_are_views_of_the_file_mapping():
     assert_backed_by(ckpt.tensor("model.embed_tokens.weight").data, STORIES_GGUF_Q8_0)
     assert_backed_by(ckpt.tensor("model.layers.0.mlp.down_proj.weight"), STORIES_GGUF_Q8_0)
     assert_backed_by(ckpt.tensor("model.layers.0.self_attn.q_proj.weight").data, STORIES_GGUF_Q8_0)
-    assert_backed_by(open_checkpoint(STORIES_GGUF_F32).tensor("model.layers.1.self_attn.k_proj.weight"), STORIES_GGUF_F32)
+    assert_backed_by(
+        open_checkpoint(STORIES_GGUF_F32).tensor("model.layers.1.self_attn.k_proj.weight"), STORIES_GGUF_F32
+    )
     assert_backed_by(ckpt.tensor("model.norm.weight"), STORIES_GGUF_Q8_0)
 
 
@@ -174,13 +180,20 @@ def test_qk_rows_are_handed_out_as_stored_and_the_config_names_the_layout(tmp_pa
     rng = np.random.default_rng(1)
     stored = tiny_llama_tensors(rng, kv_heads=2)
     if arch == "qwen2":
-        stored |= {f"blk.0.attn_{p}.bias": rng.standard_normal(stored[f"blk.0.attn_{p}.weight"].shape[0]).astype(np.float32)
-                   for p in "qkv"}
-    kv = {k.replace("llama.", f"{arch}.", 1): v for k, v in tiny_llama_kv(llama__attention__head_count_kv=(2, U32)).items()}
+        stored |= {
+            f"blk.0.attn_{p}.bias": rng.standard_normal(stored[f"blk.0.attn_{p}.weight"].shape[0]).astype(np.float32)
+            for p in "qkv"
+        }
+    kv = {
+        k.replace("llama.", f"{arch}.", 1): v
+        for k, v in tiny_llama_kv(llama__attention__head_count_kv=(2, U32)).items()
+    }
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", arch, kv, stored))
     assert ckpt.config.get("rope_interleaved", False) is interleaved
     for hf_name, gguf_name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
-        assert np.array_equal(ckpt.tensor(f"model.layers.0.self_attn.{hf_name}.weight").numpy(), stored[f"blk.0.{gguf_name}.weight"])
+        assert np.array_equal(
+            ckpt.tensor(f"model.layers.0.self_attn.{hf_name}.weight").numpy(), stored[f"blk.0.{gguf_name}.weight"]
+        )
 
 
 def test_bf16_and_q4_0_tensors(tmp_path):
@@ -189,8 +202,12 @@ def test_bf16_and_q4_0_tensors(tmp_path):
     up = tensors["blk.0.ffn_up.weight"]
     down = tensors["blk.0.ffn_down.weight"]
     stored = dict(tensors)
-    stored["blk.0.ffn_up.weight"] = (gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q4_0), gguf.GGMLQuantizationType.Q4_0)
-    stored["blk.0.ffn_down.weight"] = (gguf.quants.quantize(down, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16)
+    stored["blk.0.ffn_up.weight"] = (
+        gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q4_0), gguf.GGMLQuantizationType.Q4_0
+    )
+    stored["blk.0.ffn_down.weight"] = (
+        gguf.quants.quantize(down, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    )
     ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), stored))
     w_up = ckpt.tensor("model.layers.0.mlp.up_proj.weight")
     assert isinstance(w_up, QuantizedTensor) and w_up.fmt == "q4_0" and w_up.shape == (64, 32)
@@ -223,10 +240,16 @@ def test_unsupported_gguf_type_names_tensor_type_and_supported(tmp_path):
     stored["blk.0.ffn_gate.weight"] = (raw, gguf.GGMLQuantizationType.IQ4_XS)
     stored["blk.0.ffn_up.weight"] = (raw.copy(), gguf.GGMLQuantizationType.IQ4_XS)
     stored["blk.0.ffn_down.weight"] = np.zeros((256, 64), np.float32)
-    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(llama__feed_forward_length=(256, U32)), stored))
+    ckpt = open_checkpoint(
+        write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(llama__feed_forward_length=(256, U32)), stored)
+    )
     name = "model.layers.0.mlp.gate_proj.weight"
     assert ckpt.tensor_shape(name) == (64, 256)
-    with pytest.raises(TensorError, match=r"stored as GGUF type IQ4_XS .*supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K") as e:
+    with pytest.raises(
+        TensorError,
+        match=r"stored as GGUF type IQ4_XS .*supported types: "
+        r"F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K",
+    ) as e:
         ckpt.tensor(name)
     assert e.value.tensor == name and e.value.file == str(tmp_path / "m.gguf")
 
@@ -239,10 +262,15 @@ def test_missing_required_key(tmp_path):
 
 
 def test_unknown_architecture_still_gives_metadata(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", "mamba", {"mamba.block_count": (1, U32)}, {"token_embd.weight": np.zeros((4, 4), np.float32)})
+    path = write_gguf(
+        tmp_path / "m.gguf", "mamba", {"mamba.block_count": (1, U32)},
+        {"token_embd.weight": np.zeros((4, 4), np.float32)},
+    )
     ckpt = open_checkpoint(path)
     assert ckpt.architecture == "mamba" and ckpt.metadata["mamba.block_count"] == 1
-    with pytest.raises(UnknownArchitectureError, match="no GGUF map for architecture 'mamba'; mapped architectures: llama"):
+    with pytest.raises(
+        UnknownArchitectureError, match="no GGUF map for architecture 'mamba'; mapped architectures: llama"
+    ):
         ckpt.tensor_names()
 
 
@@ -300,6 +328,8 @@ def test_gguf_load_tokenizer():
 
 
 def test_gguf_without_vocabulary_has_no_tokenizer(tmp_path):
-    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), tiny_llama_tensors(np.random.default_rng(7))))
+    ckpt = open_checkpoint(
+        write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), tiny_llama_tensors(np.random.default_rng(7)))
+    )
     with pytest.raises(CheckpointError, match="no tokenizer"):
         ckpt.load_tokenizer()

@@ -221,7 +221,8 @@ def test_odd_arrays_read_as_gguf_reader(tmp_path):
     fields = read_gguf_header(path).fields
     assert fields["a.empty_bad_type"].value == [] and fields["a.empty_first"].value == [7, 8]
     assert fields["a.empty_first_str"].value == [97, 98]  # GGUFReader: a string's bytes when the first element is empty
-    assert "GGUF.custom" in fields and "GGUF.custom" not in open_checkpoint(path).metadata  # as GGUFCheckpoint always did
+    # as GGUFCheckpoint always did
+    assert "GGUF.custom" in fields and "GGUF.custom" not in open_checkpoint(path).metadata
 
 
 def test_vocabulary_only_file_without_tensors(tmp_path):
@@ -324,10 +325,13 @@ def test_corrupt_header_bytes_raise_format_errors_only(tmp_path, data):
     (_gguf([_kv("general.alignment", V.UINT64, struct.pack("<Q", 32))]), "general.alignment is UINT64, not UINT32"),
     (_gguf([_kv("general.alignment", V.UINT32, struct.pack("<I", 24))]), "general.alignment 24 is not a power of two"),
     (_gguf([], [_tensor_info("t", (4,), 1000, 0)]), "tensor 't' has unknown GGML type 1000"),
-    (_gguf([], [_tensor_info("t", (1,), Q.F32, 0), _tensor_info("t", (1,), Q.F32, 0)], bytes(8)), "duplicate tensor 't'"),
-    (_gguf([], [_tensor_info("t", (0, 2**62, 2**62), Q.F32, 0)]), r"tensor 't' has dimensions .*, over 2\*\*60 elements"),
+    (_gguf([], [_tensor_info("t", (1,), Q.F32, 0), _tensor_info("t", (1,), Q.F32, 0)], bytes(8)),
+     "duplicate tensor 't'"),
+    (_gguf([], [_tensor_info("t", (0, 2**62, 2**62), Q.F32, 0)]),
+     r"tensor 't' has dimensions .*, over 2\*\*60 elements"),
     (_gguf([], [_tensor_info("t", (4,), Q.F32, 2**64 - 1)]), "truncated: tensor 't' ends at byte"),
-    (_gguf([], [_tensor_info("t", (4,), Q.F32, 0)], bytes(15)), "truncated: tensor 't' ends at byte 80, the file has 79 bytes"),
+    (_gguf([], [_tensor_info("t", (4,), Q.F32, 0)], bytes(15)),
+     "truncated: tensor 't' ends at byte 80, the file has 79 bytes"),
 ])  # fmt: skip
 def test_broken_files_say_what_is_wrong(tmp_path, content, message):
     path = tmp_path / "bad.gguf"
@@ -359,9 +363,13 @@ def test_partial_block_rows_name_the_tensor(tmp_path):
 def test_checkpoint_errors_name_the_file_and_what_is_wrong(tmp_path):
     path = tmp_path / "t.gguf"
     path.write_bytes(_gguf([], [_tensor_info("token_embd.weight", (4, 4), 1000, 0)], bytes(64)))
-    with pytest.raises(CheckpointError, match="t.gguf: corrupt GGUF header: tensor 'token_embd.weight' has unknown GGML type 1000"):
+    with pytest.raises(
+        CheckpointError, match="t.gguf: corrupt GGUF header: tensor 'token_embd.weight' has unknown GGML type 1000"
+    ):
         open_checkpoint(path)
-    data = write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), tiny_llama_tensors(np.random.default_rng(0))).read_bytes()
+    data = write_gguf(
+        tmp_path / "m.gguf", "llama", tiny_llama_kv(), tiny_llama_tensors(np.random.default_rng(0))
+    ).read_bytes()
     for cut in (30, len(data) - 8):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(CheckpointError, match="truncated") as e:

@@ -11,5 +11,7 @@ import torch.nn.functional as F
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gate``, ``up`` f32 ``[T, N]`` -> f32 ``[T, N]``."""
-    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (gate.shape, gate.dtype, up.shape)
+    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (
+        gate.shape, gate.dtype, up.shape
+    )
     return F.silu(gate) * up

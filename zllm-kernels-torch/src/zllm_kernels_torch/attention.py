@@ -43,13 +43,16 @@ def attention_sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 def _write_kv(new: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``new`` f32 ``[T, Hkv, D]`` at ``slots`` int64 ``[T]`` of ``cache [NB, BS, Hkv, D]`` (in place, in its dtype)."""
+    """Store ``new`` f32 ``[T, Hkv, D]`` at ``slots`` int64 ``[T]`` of ``cache [NB, BS, Hkv, D]``
+    (in place, in its dtype)."""
     assert cache.is_contiguous() and new.shape[1:] == cache.shape[2:], (new.shape, cache.shape)
     cache.flatten(0, 1).index_copy_(0, slots, new.to(cache.dtype))  # slot = block * BS + offset
 
 
 def _paged(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
-    assert q.dtype == torch.float32 and k.shape == v.shape and k.shape[0] == q.shape[0] == sum(meta.query_lens), (q.shape, k.shape)
+    assert q.dtype == torch.float32 and k.shape == v.shape and k.shape[0] == q.shape[0] == sum(meta.query_lens), (
+        q.shape, k.shape
+    )
     assert q.shape[1] % k.shape[1] == 0 and len(meta.context_lens) == len(meta.query_lens), (q.shape, k.shape, meta)
     _write_kv(k, k_cache, meta.slot_mapping)
     _write_kv(v, v_cache, meta.slot_mapping)

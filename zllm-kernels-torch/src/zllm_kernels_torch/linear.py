@@ -44,7 +44,8 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias:
 
 
 def linear_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b``: ``x`` f32 ``[T, K]``, dense ``weight [N, K]`` (f32/f16/bf16), ``bias`` ``[N]`` or None -> f32 ``[T, N]``.
+    """``x @ W^T + b``: ``x`` f32 ``[T, K]``, dense ``weight [N, K]`` (f32/f16/bf16), ``bias`` ``[N]``
+    or None -> f32 ``[T, N]``.
 
     f16/bf16 weights multiply in their own dtype with f32 accumulation (module doc).
     """
@@ -57,7 +58,8 @@ def linear_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear_q8_0(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b`` for a Q8_0 ``weight [N, K]`` decoded one row tile at a time; ``x`` f32 ``[T, K]`` -> f32 ``[T, N]``."""
+    """``x @ W^T + b`` for a Q8_0 ``weight [N, K]`` decoded one row tile at a time; ``x`` f32
+    ``[T, K]`` -> f32 ``[T, N]``."""
     assert isinstance(weight, QuantizedTensor) and weight.fmt == "q8_0", weight
     _check_linear(x, weight, bias)
     n, k = weight.shape
@@ -73,7 +75,8 @@ def embedding_dense(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def embedding_q8_0(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` int64 ``[T]`` of a Q8_0 table ``[V, K]``: gathers those rows' bytes and decodes only them -> f32 ``[T, K]``."""
+    """Rows ``ids`` int64 ``[T]`` of a Q8_0 table ``[V, K]``: gathers those rows' bytes and decodes
+    only them -> f32 ``[T, K]``."""
     assert isinstance(weight, QuantizedTensor) and weight.fmt == "q8_0", weight
     assert ids.dim() == 1 and ids.dtype == torch.int64, (ids.shape, ids.dtype)
     return decode_q8_0(weight.data[ids], weight.shape[1])  # [T, K]

@@ -30,8 +30,9 @@ def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor
 def _token_matrix(ids: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row index, token id)`` int64 pairs, flattened, for the token ids ``ids[s]`` of every row ``s``."""
     sizes = [t.numel() for t in ids]
-    row_of = torch.repeat_interleave(torch.arange(len(ids), device=like.device), torch.tensor(sizes, device=like.device),
-                                     output_size=sum(sizes))  # output_size: no device-to-host read of the sizes
+    # output_size: no device-to-host read of the sizes
+    row_of = torch.repeat_interleave(torch.arange(len(ids), device=like.device),
+                                     torch.tensor(sizes, device=like.device), output_size=sum(sizes))
     return row_of, torch.cat(ids)
 
 
@@ -45,11 +46,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     empty = logits.new_empty(0, dtype=torch.int64)
     if any(r.repetition_penalty != 1.0 for r in rows):
         seen = torch.zeros_like(logits, dtype=torch.bool)  # [S, V]
-        ids = [torch.cat([r.prompt_token_ids, r.output_token_ids]) if r.repetition_penalty != 1.0 else empty for r in rows]
+        ids = [
+            torch.cat([r.prompt_token_ids, r.output_token_ids]) if r.repetition_penalty != 1.0 else empty for r in rows
+        ]
         seen[_token_matrix(ids, logits)] = True
         penalty = _column([r.repetition_penalty for r in rows], logits)  # [S, 1]
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    counted = [r.output_token_ids.numel() > 0 and (r.presence_penalty != 0.0 or r.frequency_penalty != 0.0) for r in rows]
+    counted = [
+        r.output_token_ids.numel() > 0 and (r.presence_penalty != 0.0 or r.frequency_penalty != 0.0) for r in rows
+    ]
     if any(counted):
         counts = torch.zeros_like(logits)  # [S, V]
         pairs = _token_matrix([r.output_token_ids if c else empty for r, c in zip(rows, counted, strict=True)], logits)
@@ -98,7 +103,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     x = _top_k(logits[index] / _column([r.temperature for r in picked], logits), picked)  # [R, V]
     probs = _top_p(torch.softmax(x, dim=-1), picked)
     if any(r.min_p > 0.0 for r in picked):  # Nguyen et al. 2024
-        probs = probs.masked_fill(probs < _column([r.min_p for r in picked], probs) * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs.masked_fill(
+            probs < _column([r.min_p for r in picked], probs) * probs.amax(dim=-1, keepdim=True), 0.0
+        )
     vocab = logits.shape[1]
     race = torch.stack([-torch.log(torch.rand(vocab, generator=r.generator, device=logits.device, dtype=torch.float32))
                         for r in picked])  # [R, V]

@@ -43,7 +43,9 @@ def _q8_0_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
         q_bytes = (ks // 32) * 34 + 2 + within  # [BLOCK_K]: byte of each weight in its row
         qs = tl.load(w_rows + q_bytes[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0)
         qs = qs.to(tl.int8, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K]

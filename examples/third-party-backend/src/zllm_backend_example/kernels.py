@@ -33,7 +33,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add, then RMSNorm: ``(rms_norm(x + residual), x + residual)``, f32 ``[T, K]`` each."""
     h = x + residual
     return rms_norm(h, weight, eps), h
@@ -115,4 +117,6 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
 
 def sample(logits: torch.Tensor, params: list[SamplingRow]) -> torch.Tensor:
     """``logits`` f32 ``[S, V]`` -> int64 ``[S]``, one token per row."""
-    return torch.tensor([_sample_row(logits[s], p) for s, p in enumerate(params)], dtype=torch.int64, device=logits.device)
+    return torch.tensor(
+        [_sample_row(logits[s], p) for s, p in enumerate(params)], dtype=torch.int64, device=logits.device
+    )

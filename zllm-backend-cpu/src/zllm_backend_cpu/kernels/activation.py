@@ -10,5 +10,7 @@ import torch
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``: ``gate``, ``up`` f32 ``[T, N]`` -> a new f32 ``[T, N]``."""
-    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (gate.shape, gate.dtype, up.shape)
+    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (
+        gate.shape, gate.dtype, up.shape
+    )
     return torch.nn.functional.silu(gate).mul_(up)

@@ -23,7 +23,9 @@ def write_kv(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> tuple[int, i
     """Check shapes, write the new ``k``/``v`` at ``meta.slot_mapping``; return ``(H, D, BS, Hkv)``."""
     t, h, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
-    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (q.shape, k.shape, k_cache.shape)
+    assert q.dtype == torch.float32 and k.shape == v.shape == (t, hkv, d) and h % hkv == 0, (
+        q.shape, k.shape, k_cache.shape
+    )
     assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
     k_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
@@ -72,7 +74,9 @@ def attention(
         if n_q < n_ctx:
             q_pos = torch.arange(n_ctx - n_q, n_ctx)
             mask = torch.arange(n_ctx)[None, :] <= q_pos[:, None]  # [Q, L], True = attend
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=meta.scale)  # [H, Q, D]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=meta.scale
+        )  # [H, Q, D]
         out[start : start + n_q] = o.transpose(0, 1)
         start += n_q
     return out

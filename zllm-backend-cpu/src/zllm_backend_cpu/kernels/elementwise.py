@@ -75,7 +75,8 @@ def _rope(fn, fallback, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX layout (pairs ``(i, i + D2)``): ``x`` f32 ``[T, H, D]``, ``cos``/``sin`` f32 ``[T, D2]`` -> a new f32 ``[T, H, D]``."""
+    """GPT-NeoX layout (pairs ``(i, i + D2)``): ``x`` f32 ``[T, H, D]``, ``cos``/``sin`` f32 ``[T, D2]``
+    -> a new f32 ``[T, H, D]``."""
     return _rope(_ROPE_NEOX, torch_rope.rope, x, cos, sin)
 
 

@@ -92,7 +92,9 @@ def _bind(fmt: str | None, weight) -> Callable:
     """Bind ``zllm_gemv_<fmt>`` on first use (the library loads then, so importing this module
     needs no library)."""
     if fmt not in FORMATS:
-        raise ValueError(f"native GEMV kernels have no format {fmt or weight.dtype!r}; expected one of {', '.join(FORMATS)}")
+        raise ValueError(
+            f"native GEMV kernels have no format {fmt or weight.dtype!r}; expected one of {', '.join(FORMATS)}"
+        )
     _BOUND[fmt] = function(f"zllm_gemv_{fmt}", *_ARGTYPES)
     return _BOUND[fmt]
 
@@ -107,6 +109,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: t
     return torch_linear.linear_dense(x, weight, bias)
 
 
-def linear_gemv_invariant(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_gemv_invariant(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Batch-invariant ``x @ W^T + b``: native GEMV for every ``T`` (module doc); shapes as :func:`gemv`."""
     return gemv(x, weight, bias)

@@ -74,7 +74,9 @@ def linear_quant_invariant(x: torch.Tensor, weight: QuantizedTensor, bias: torch
 
 def silu_mul_invariant(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with rows computed in fixed-shape, padded calls: f32 ``[T, N]`` -> f32 ``[T, N]``."""
-    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (gate.shape, gate.dtype, up.shape)
+    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (
+        gate.shape, gate.dtype, up.shape
+    )
     t, n = gate.shape
     width = -(-n // _ROW_MULTIPLE) * _ROW_MULTIPLE
     rows = max(1, _ROW_CALL_ELEMENTS // width)

@@ -28,7 +28,8 @@ _SHIFTS_1BIT = tuple(range(8))
 
 
 def _unpack(packed: torch.Tensor, shifts: tuple[int, ...], mask: int, out: torch.Tensor) -> torch.Tensor:
-    """``out[..., i, :] = (packed >> shifts[i]) & mask``: uint8 ``[..., L]`` -> ``out`` uint8 ``[..., len(shifts), L]``."""
+    """``out[..., i, :] = (packed >> shifts[i]) & mask``: uint8 ``[..., L]``
+    -> ``out`` uint8 ``[..., len(shifts), L]``."""
     for i, s in enumerate(shifts):
         dst = out[..., i, :]
         if s == 0:
@@ -46,7 +47,8 @@ def _f16(field: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_min_k4(data: torch.Tensor, r: int, nb: int, words_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q4_k/q5_k: sub-block scale ``d * sc`` and min ``dmin * m``, f32 ``[R, NB, 8, 1]`` each (ggml ``get_scale_min_k4``).
+    """q4_k/q5_k: sub-block scale ``d * sc`` and min ``dmin * m``, f32 ``[R, NB, 8, 1]`` each
+    (ggml ``get_scale_min_k4``).
 
     The 12 scale bytes (block bytes 4..15) are read as three little-endian int32 words
     ``lo, mid, hi`` and unpacked four bytes at a time: scales 0-3 = ``lo & 63``, 4-7 =

@@ -9,9 +9,10 @@ Low-precision and quantized weights are never expanded whole. Rows are decoded t
 tile at a time into a reused f32 buffer of about :data:`TILE_BYTES` and multiplied into the
 matching rows of ``out^T``. 4 MB was measured on a 2-core x86 box (4096 x 4096 q8_0, T = 1):
 3x faster than expanding the 64 MB weight at once, and much more robust than 256 KB-1 MB
-tiles when the cores are shared (many small parallel regions stall on a descheduled thread). Block layouts: ggml ``ggml-common.h`` (see ``zllm.weights.formats``); the
-decode is the same f32 arithmetic as the reference ``zllm.domain.quant``, so results differ
-from it only by matmul summation order.
+tiles when the cores are shared (many small parallel regions stall on a descheduled thread).
+Block layouts: ggml ``ggml-common.h`` (see ``zllm.weights.formats``); the decode is the same
+f32 arithmetic as the reference ``zllm.domain.quant``, so results differ from it only by
+matmul summation order.
 
 Decode steps (``T == 1``) with a bf16/f16 weight multiply in the weight's dtype instead
 (activation rounded to it, f32 accumulation inside oneDNN, output rounded to it), as
@@ -47,7 +48,8 @@ def decode_q8_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None
 
 
 def decode_q4_0_rows(data: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode q4_0 bytes uint8 ``[R, NBK * 18]`` to f32 ``[R, K]`` (``w = d * (nibble - 8)``, low nibbles first), into ``out`` if given."""
+    """Decode q4_0 bytes uint8 ``[R, NBK * 18]`` to f32 ``[R, K]`` (``w = d * (nibble - 8)``, low
+    nibbles first), into ``out`` if given."""
     r = data.shape[0]
     blocks = data.view(r, k // QK, 18)  # [R, NBK, 18]
     qs = blocks[..., 2:]  # [R, NBK, 16]
@@ -120,13 +122,17 @@ DECODERS = {"q8_0": decode_q8_0_rows, "q4_0": decode_q4_0_rows, "q4_1": decode_q
             "q5_0": decode_q5_0_rows, "q5_1": decode_q5_1_rows, **KQUANT_DECODERS}
 
 
-def _decode_rows(weight: torch.Tensor | QuantizedTensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _decode_rows(
+    weight: torch.Tensor | QuantizedTensor, start: int, stop: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows ``start:stop`` of ``weight`` as f32 ``[R, K]`` (written into ``out`` when given)."""
     if isinstance(weight, QuantizedTensor):
         try:
             decode = DECODERS[weight.fmt]
         except KeyError:
-            raise ValueError(f"CPU kernels have no decoder for format {weight.fmt!r}; expected one of {sorted(DECODERS)}") from None
+            raise ValueError(
+                f"CPU kernels have no decoder for format {weight.fmt!r}; expected one of {sorted(DECODERS)}"
+            ) from None
         return decode(weight.data[start:stop], weight.shape[1], out)
     rows = weight[start:stop]
     return rows.float() if out is None else out.copy_(rows)
@@ -157,7 +163,8 @@ def _linear_tiled(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias:
 
 
 def linear_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b`` for a dense f32/f16/bf16 ``weight [N, K]``; ``x`` f32 ``[T, K]``, ``bias`` ``[N]``|None -> f32 ``[T, N]``.
+    """``x @ W^T + b`` for a dense f32/f16/bf16 ``weight [N, K]``; ``x`` f32 ``[T, K]``,
+    ``bias`` ``[N]``|None -> f32 ``[T, N]``.
 
     f32: ``torch.nn.functional.linear``. bf16/f16: for ``T == 1`` a matmul in the weight dtype
     (see the module doc), otherwise upcast per row tile.
@@ -173,7 +180,8 @@ def linear_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear_quant(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b`` for a block-quantized ``weight [N, K]`` (any of :data:`DECODERS`) decoded per row tile; ``x`` f32 ``[T, K]`` -> f32 ``[T, N]``."""
+    """``x @ W^T + b`` for a block-quantized ``weight [N, K]`` (any of :data:`DECODERS`) decoded
+    per row tile; ``x`` f32 ``[T, K]`` -> f32 ``[T, N]``."""
     assert isinstance(weight, QuantizedTensor), type(weight)
     return _linear_tiled(x, weight, bias)
 
@@ -185,7 +193,8 @@ def embedding_dense(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def embedding_quant(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` int64 ``[T]`` of a block-quantized table ``[V, K]``: gather the rows' bytes, decode only them -> f32 ``[T, K]``."""
+    """Rows ``ids`` int64 ``[T]`` of a block-quantized table ``[V, K]``: gather the rows' bytes,
+    decode only them -> f32 ``[T, K]``."""
     assert isinstance(weight, QuantizedTensor), type(weight)
     assert ids.dim() == 1 and ids.dtype == torch.int64, (ids.shape, ids.dtype)
     return _decode_rows(weight.rows(ids), 0, ids.shape[0])  # [T, K]

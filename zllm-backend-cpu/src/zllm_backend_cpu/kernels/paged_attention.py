@@ -162,7 +162,9 @@ def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
     return plan
 
 
-def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, prefill: list[int], out: torch.Tensor) -> None:
+def _prefill(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, prefill: list[int], out: torch.Tensor
+) -> None:
     """The prefill sequences ``prefill`` through the torch kernel, their rows into ``out``."""
     starts = [0]
     for n_q in meta.query_lens:

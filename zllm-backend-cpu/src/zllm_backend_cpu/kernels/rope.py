@@ -29,7 +29,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved layout, pairs ``(2i, 2i + 1)``: ``x`` f32 ``[T, H, D]``, ``cos``/``sin`` f32 ``[T, D2]`` -> a new f32 ``[T, H, D]``."""
+    """Interleaved layout, pairs ``(2i, 2i + 1)``: ``x`` f32 ``[T, H, D]``, ``cos``/``sin`` f32
+    ``[T, D2]`` -> a new f32 ``[T, H, D]``."""
     assert x.dim() == 3 and x.dtype == torch.float32, (x.shape, x.dtype)
     t, h, d = x.shape
     assert d % 2 == 0 and tuple(cos.shape) == (t, d // 2) and cos.shape == sin.shape, (x.shape, cos.shape, sin.shape)

@@ -187,7 +187,8 @@ class ConformanceReport:
         for row in self.kernel_summary():
             prio = f"{row['priority']}{' (batch-invariant)' if row['batch_invariant'] else ''}"
             skipped = f" ({row['skipped']} skipped)" if row["skipped"] else ""
-            lines.append(f"| `{row['kernel']}` | {row['capability']} | {prio} | {row['passed']}/{row['cases']}{skipped} | "
+            lines.append(f"| `{row['kernel']}` | {row['capability']} | {prio} | "
+                         f"{row['passed']}/{row['cases']}{skipped} | "
                          f"{_fmt(row['max_abs_err'])} | {_fmt(row['max_rel_err'])} |")
         lines += ["", "## End to end", ""]
         if self.e2e:

@@ -30,8 +30,11 @@ import torch
 from zllm.capabilities.ops import AttentionMetadata, OpDeclaration
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``k``, ``v`` ``[T, Hkv, D]`` into the caches ``[NB, BS, Hkv, D]`` at ``slot_mapping`` int64 ``[T]`` (in place)."""
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k``, ``v`` ``[T, Hkv, D]`` into the caches ``[NB, BS, Hkv, D]`` at ``slot_mapping``
+    int64 ``[T]`` (in place)."""
     nb, bs, hkv, d = k_cache.shape
     assert k.shape == v.shape and tuple(k.shape[1:]) == (hkv, d), (k.shape, v.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],), (slot_mapping.shape, k.shape)
@@ -43,7 +46,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v_cache[block, offset] = v[t].to(v_cache.dtype)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int, first_block: int = 0) -> torch.Tensor:
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int, first_block: int = 0
+) -> torch.Tensor:
     """Cached tokens ``first_block * BS .. context_len - 1`` of one sequence as f32 ``[L', Hkv, D]``.
 
     ``cache`` is ``[NB, BS, Hkv, D]``, ``block_table`` int64 ``[MB]`` (padding -1 after the
@@ -66,7 +71,8 @@ def first_window_block(query_len: int, context_len: int, window: int, block_size
 
 def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                              window: int | None = None, first_key_pos: int = 0) -> torch.Tensor:
-    """Attention of ``q`` f32 ``[Q, H, D]`` over ``k``, ``v`` f32 ``[L', Hkv, D]`` whose last ``Q`` tokens are the queries.
+    """Attention of ``q`` f32 ``[Q, H, D]`` over ``k``, ``v`` f32 ``[L', Hkv, D]`` whose last ``Q``
+    tokens are the queries.
 
     The keys are absolute positions ``first_key_pos .. first_key_pos + L' - 1``; with
     ``window`` a query at ``p`` sees only keys ``> p - window``. Returns f32 ``[Q, H, D]``.
@@ -144,7 +150,9 @@ def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window:
         first = 0 if window is None else first_window_block(n_q, n_ctx, window, bs)
         ctx_k = gather_context(k_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
         ctx_v = gather_context(v_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
-        out[start : start + n_q] = causal_softmax_attention(q[start : start + n_q], ctx_k, ctx_v, meta.scale, window, first * bs)
+        out[start : start + n_q] = causal_softmax_attention(
+            q[start : start + n_q], ctx_k, ctx_v, meta.scale, window, first * bs
+        )
         start += n_q
     return out
 

@@ -86,7 +86,8 @@ def model_kv_spec(model: Any) -> KVCacheSpec:
     shape = getattr(model, "kv_shape", None)
     if isinstance(shape, KVCacheShape):
         warnings.warn(f"{type(model).__module__}:{type(model).__qualname__} publishes kv_shape (KVCacheShape), "
-                      "deprecated since plugin API 1.1; publish kv_spec (KVCacheSpec)", DeprecationWarning, stacklevel=2)
+                      "deprecated since plugin API 1.1; publish kv_spec (KVCacheSpec)",
+                      DeprecationWarning, stacklevel=2)
         return shape.to_spec()
     raise PluginError(f"model {type(model).__module__}:{type(model).__qualname__} declares no KV cache: it needs a "
                       f"kv_spec attribute (KVCacheSpec)")

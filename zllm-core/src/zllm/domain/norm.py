@@ -23,7 +23,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(variance + eps) * weight.float()  # [T, K]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm (the pre-norm block boundary of Llama-style models).
 
     ``h = x + residual``; returns ``(rms_norm(h, weight, eps), h)``: both f32 ``[T, K]``;

@@ -214,7 +214,8 @@ def dequantize_q3_k(w: QuantizedTensor) -> torch.Tensor:
 
 
 def _dequantize_q4_k_like(w: QuantizedTensor, q: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """``d * scale * q - dmin * min`` per 32-weight sub-block, ``q`` uint8 ``[R, NBK, 8, 32]``, ``head`` the first 16 bytes."""
+    """``d * scale * q - dmin * min`` per 32-weight sub-block, ``q`` uint8 ``[R, NBK, 8, 32]``,
+    ``head`` the first 16 bytes."""
     d, dmin = _f16(head[..., 0:2]), _f16(head[..., 2:4])  # [R, NBK, 1] each
     sc, mn = unpack_scale_min_k4(head[..., 4:16])  # [R, NBK, 8] each
     dl = (d * sc.float()).unsqueeze(-1)  # [R, NBK, 8, 1]
@@ -296,5 +297,7 @@ def dequantize(w: QuantizedTensor) -> torch.Tensor:
     try:
         fn = _DEQUANTIZERS[w.fmt]
     except KeyError:
-        raise ValueError(f"no reference dequantizer for format {w.fmt!r}; expected one of {sorted(_DEQUANTIZERS)}") from None
+        raise ValueError(
+            f"no reference dequantizer for format {w.fmt!r}; expected one of {sorted(_DEQUANTIZERS)}"
+        ) from None
     return fn(w)

@@ -114,7 +114,9 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
     theta = _number("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"rope_theta {theta} is not a finite number > 0")
-    original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos)
+    original = int(
+        cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos
+    )
 
     def need(key: str) -> float:
         if params.get(key) is None:
@@ -180,8 +182,11 @@ def _yarn_inv_freq(dim: int, p: RopeParams) -> tuple[torch.Tensor, float]:
     else:
         attention_factor = _yarn_mscale(factor)
 
-    def correction_dim(num_rotations: float) -> float:  # dimension that turns num_rotations times over the original context
-        return (dim * math.log(p.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+    # dimension that turns num_rotations times over the original context
+    def correction_dim(num_rotations: float) -> float:
+        return (
+            (dim * math.log(p.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+        )
 
     low, high = correction_dim(p.beta_fast), correction_dim(p.beta_slow)
     if p.truncate:
@@ -255,7 +260,9 @@ def rope_inv_freq(head_dim: int, p: RopeParams) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(attention_factor)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` f32 ``[T, D2]`` for int64 ``positions [T]`` and f32 ``inv_freq [D2]``,
     both scaled by ``attention_factor`` (YaRN's mscale; HF multiplies after ``cos()``)."""
     assert positions.dim() == 1, positions.shape

@@ -81,7 +81,9 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row: ``logits`` f32 ``[S, V]``, ``rows`` ``S`` settings -> int64 ``[S]``."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
-    return torch.tensor([sample_row(logits[s], rows[s]) for s in range(len(rows))], dtype=torch.int64, device=logits.device)
+    return torch.tensor(
+        [sample_row(logits[s], rows[s]) for s in range(len(rows))], dtype=torch.int64, device=logits.device
+    )
 
 
 OPS = (

@@ -74,7 +74,8 @@ class Engine:
         """The chat format tool calls are read in (``server.tool_parser``), or None."""
 
     @classmethod
-    def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *, host: PluginHost | None = None,
+    def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *,
+                    host: PluginHost | None = None,
                     on_tensor: Callable[[str, int], None] | None = None,
                     on_start: Callable[[int], None] | None = None) -> Engine:
         """Load the model a config names.
@@ -95,7 +96,9 @@ class Engine:
         elif isinstance(config, (str, os.PathLike)):
             cfg = load_config(Path(config))
         else:
-            raise ConfigError("", f"expected a ZllmConfig, a config mapping or a YAML file path, got {type(config).__name__}")
+            raise ConfigError(
+                "", f"expected a ZllmConfig, a config mapping or a YAML file path, got {type(config).__name__}"
+            )
         host = host or PluginHost(allowlist=plugin_allowlist_from_env())
         return cls(load_model(cfg, host, on_tensor=on_tensor, on_start=on_start), host)
 

@@ -151,7 +151,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
         blocks = auto_num_blocks(model_kv_spec(model), block_size=cfg.runtime.kv_cache.block_size,
                                  itemsize=kv_cache_dtype(cfg).itemsize, context_length=ctx,
                                  max_seqs=cfg.runtime.max_num_seqs + cfg.runtime.prefix_cache_seqs,
-                                 available_bytes=available, weight_bytes=sum(_nbytes(ckpt, n, formats[n]) for n in formats),
+                                 available_bytes=available,
+                                 weight_bytes=sum(_nbytes(ckpt, n, formats[n]) for n in formats),
                                  device=str(backend.device))
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
                        ctx, time.perf_counter() - t0, blocks)

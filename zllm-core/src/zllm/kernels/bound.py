@@ -110,7 +110,9 @@ class BoundOps:
             return self._by_variant[(op, variant)]
         except KeyError:
             bound = ", ".join(f"{o}[{v}]" for o, v in sorted(self._by_variant) if o == op) or "none"
-            raise BoundOpError(f"{op}[{variant}] is not bound for this model (bound variants of {op}: {bound})") from None
+            raise BoundOpError(
+                f"{op}[{variant}] is not bound for this model (bound variants of {op}: {bound})"
+            ) from None
 
     def explain(self) -> list[Explained]:
         return [Explained(str(c), ch.entry.name, ch.reason) for c, ch in sorted(self.choices.items())]

@@ -160,8 +160,8 @@ class KernelRegistry:
                                      batch_invariant=True)
             entry = slot[0]
             return KernelChoice(entry.resolve(), entry,
-                                _with_note(f"batch-invariant kernel for {op}/{key_backend}/{fmt} (runtime.batch_invariant; "
-                                           f"by {entry.registered_by})", entry))
+                                _with_note(f"batch-invariant kernel for {op}/{key_backend}/{fmt} "
+                                           f"(runtime.batch_invariant; by {entry.registered_by})", entry))
         entry = slot[0]
         if force_reference:
             reason = f"f32 reference forced by config backend.force_reference (instead of backend {backend!r})"

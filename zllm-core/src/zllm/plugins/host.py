@@ -96,8 +96,8 @@ class PluginHost:
             :attr:`ops`.
     """
 
-    def __init__(self, allowlist: Iterable[str] | None = None, entry_points: Iterable[metadata.EntryPoint] | None = None,
-                 ops: OpTable = CORE_OPS):
+    def __init__(self, allowlist: Iterable[str] | None = None,
+                 entry_points: Iterable[metadata.EntryPoint] | None = None, ops: OpTable = CORE_OPS):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.allowlist = None if allowlist is None else {a.strip() for a in allowlist if a.strip()}
@@ -143,18 +143,22 @@ class PluginHost:
             module = ep.load()
         except Exception as exc:  # a broken plugin must not take the others down
             rec.status, rec.reason = "error", f"import failed: {type(exc).__name__}: {exc}"
-            warnings.warn(f"zllm plugin {ep.name!r} ({rec.distribution} {rec.version}) skipped: {rec.reason}", PluginWarning, stacklevel=2)
+            warnings.warn(f"zllm plugin {ep.name!r} ({rec.distribution} {rec.version}) skipped: {rec.reason}",
+                          PluginWarning, stacklevel=2)
             return
         declared = getattr(module, "ZLLM_PLUGIN_API", None)
         rec.api = str(declared) if declared is not None else ""
         api = parse_api_version(declared)
         speaks = f"{PLUGIN_API_VERSION[0]}.{PLUGIN_API_VERSION[1]}"
         if api is None:
-            rec.status, rec.reason = "skipped", f"declares no valid ZLLM_PLUGIN_API (got {declared!r}); core speaks {speaks}"
+            rec.status, rec.reason = (
+                "skipped", f"declares no valid ZLLM_PLUGIN_API (got {declared!r}); core speaks {speaks}"
+            )
         elif api[0] != PLUGIN_API_VERSION[0] or api[1] > PLUGIN_API_VERSION[1]:
             rec.status, rec.reason = "skipped", f"targets plugin API {declared} but this zllm-core speaks {speaks}"
         if rec.status == "skipped":
-            warnings.warn(f"zllm plugin {ep.name!r} ({rec.distribution} {rec.version}) skipped: {rec.reason}", PluginWarning, stacklevel=2)
+            warnings.warn(f"zllm plugin {ep.name!r} ({rec.distribution} {rec.version}) skipped: {rec.reason}",
+                          PluginWarning, stacklevel=2)
             return
         self.pm.register(module, name=ep.name)
 
@@ -164,7 +168,8 @@ class PluginHost:
             backends: list[BackendInfo] = impl.function() or []  # type: ignore[assignment]  # pluggy types results as object
             for info in backends:
                 if info.name in self.backends:
-                    raise PluginError(f"backend {info.name!r} is published by two plugins: {self._owner(info.name, 'backend')} and {impl.plugin_name}")
+                    raise PluginError(f"backend {info.name!r} is published by two plugins: "
+                                      f"{self._owner(info.name, 'backend')} and {impl.plugin_name}")
                 self.backends[info.name] = info
                 by_name[impl.plugin_name].kinds.append(f"backend:{info.name}")
         claimed: dict[str, str] = {}

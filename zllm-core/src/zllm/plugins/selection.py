@@ -89,4 +89,6 @@ def select_backend(host: PluginHost, name: str, needed: frozenset[Capability], f
             reason += f"; skipped {'; '.join(reasons)}"
         log.info("selected backend %s: %s", info.name, reason)
         return BackendChoice(info, cls, reason)
-    raise PluginError(f"no backend can run model family {family!r}: " + ("; ".join(reasons) or "no backend plugin installed"))
+    raise PluginError(
+        f"no backend can run model family {family!r}: " + ("; ".join(reasons) or "no backend plugin installed")
+    )

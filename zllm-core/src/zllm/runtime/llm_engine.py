@@ -139,7 +139,9 @@ class LLMEngine:
             return self._finish(seq, "length", text, (token,))
         return StepOutput(seq, text, (token,), False)
 
-    def _finish(self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...], flush: bool = True) -> StepOutput:
+    def _finish(
+        self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...], flush: bool = True
+    ) -> StepOutput:
         """End ``seq``. Unless a stop string ended it, release what was held back: an
         incomplete UTF-8 tail and a tail that only looked like the start of a stop string."""
         if flush:

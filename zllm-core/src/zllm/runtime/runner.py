@@ -112,6 +112,8 @@ class ModelRunner:
             presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty,
             prompt_token_ids=seq.prompt_tensor.to(self.device) if penalised else _EMPTY,
-            output_token_ids=torch.tensor(seq.output_ids, dtype=torch.int64, device=self.device) if penalised else _EMPTY,
+            output_token_ids=(
+                torch.tensor(seq.output_ids, dtype=torch.int64, device=self.device) if penalised else _EMPTY
+            ),
             generator=seq.generator,
         )

@@ -152,8 +152,10 @@ def engine_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                             "content": "" if b.content is None else _text(b.content)})
         text = _text(m.content)
-        calls: list[dict[str, Any]] = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-                 for b in blocks if isinstance(b, ToolUseBlock)]
+        calls: list[dict[str, Any]] = [
+            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+            for b in blocks if isinstance(b, ToolUseBlock)
+        ]
         if m.role == "assistant":
             open_calls = {c["id"] for c in calls}
         if calls:
@@ -286,7 +288,8 @@ async def messages(body: MessagesRequest, request: Request):
             for out in blocks.close(last=True):
                 yield out
             yield sse({"type": "message_delta",
-                       "delta": {"stop_reason": _stop_reason(event["finish_reason"], matched), "stop_sequence": matched},
+                       "delta": {"stop_reason": _stop_reason(event["finish_reason"], matched),
+                                 "stop_sequence": matched},
                        "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}},
                       "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")

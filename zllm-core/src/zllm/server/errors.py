@@ -102,7 +102,9 @@ def error_response(path: str, err: ApiError, headers: Mapping[str, str] | None =
 # Location parts pydantic adds for union members and validators, not field names.
 def _is_type_tag(part: Any) -> bool:
     return isinstance(part, str) and (
-        part[:1].isupper() or any(c in part for c in "[-,") or part in {"str", "int", "float", "bool", "list", "dict", "none"}
+        part[:1].isupper()
+        or any(c in part for c in "[-,")
+        or part in {"str", "int", "float", "bool", "list", "dict", "none"}
     )
 
 

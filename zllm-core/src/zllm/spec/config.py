@@ -76,7 +76,11 @@ class Check:
         """``"expected <expect>, got <value>"``, the value's repr cut to about 60 characters."""
         # Converters have already turned lists into tuples; show what the user wrote.
         shown = list(value) if isinstance(value, tuple) else value
-        texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)] if isinstance(value, (list, tuple)) else []
+        texts = (
+            [value] if isinstance(value, str)
+            else [v for v in value if isinstance(v, str)] if isinstance(value, (list, tuple))
+            else []
+        )
         if any(not _is_unicode(t) for t in texts):
             # A str, but not text: Python decodes undecodable bytes (argv, files) to lone surrogates.
             return (f"expected {self.expect}, got {_short_repr(shown)}, which is not valid Unicode text: it holds "
@@ -309,7 +313,9 @@ class RuntimeConfig:
     @property
     def step_token_budget(self) -> int:
         """``max_batch_tokens`` with its default resolved."""
-        return self.max_batch_tokens if self.max_batch_tokens is not None else self.max_num_seqs + self.max_prefill_tokens
+        return (
+            self.max_batch_tokens if self.max_batch_tokens is not None else self.max_num_seqs + self.max_prefill_tokens
+        )
 
 
 @attrs.frozen

@@ -350,7 +350,10 @@ class GenerationRequest:
         given = [name for name in _PROMPT_FORMS if getattr(self, name) is not None]
         if len(given) != 1:
             # The wording ("neither" / "both") is pinned by tests/spec/test_request_contract.py.
-            got = f"{' and '.join(given)}: {'both' if len(given) == 2 else 'all three'} were given" if given else "neither was given"
+            got = (
+                f"{' and '.join(given)}: {'both' if len(given) == 2 else 'all three'} were given"
+                if given else "neither was given"
+            )
             raise RequestError(
                 "prompt", f"give exactly one of prompt (a string), prompt_token_ids or messages; {got}"
             )

@@ -57,4 +57,6 @@ class TensorSpec:
         if actual != self.shape:
             raise TensorError(file, name, f"mis-shaped: expected shape {list(self.shape)}, got {list(actual)}")
         if self.formats is not None and fmt not in self.formats:
-            raise TensorError(file, name, f"format {fmt!r} not accepted; expected one of {', '.join(sorted(self.formats))}")
+            raise TensorError(
+                file, name, f"format {fmt!r} not accepted; expected one of {', '.join(sorted(self.formats))}"
+            )

@@ -12,8 +12,9 @@ function tools, or ``None``), ``documents`` (``None``), ``bos_token`` and ``eos_
 are HF's shape: ``content`` may be None for an assistant turn with ``tool_calls``
 (``[{"id", "type", "function": {"name", "arguments": {...}}}]``), and a ``tool`` message carries
 ``tool_call_id``. A template that ignores the tools or tool calls it is given (the output is the
-same without them) cannot serve them, and the request is refused naming the field. The sandbox refuses attribute access to Python
-internals (``''.__class__``), so a template cannot escape to Python.
+same without them) cannot serve them, and the request is refused naming the field. The sandbox
+refuses attribute access to Python internals (``''.__class__``), so a template cannot escape to
+Python.
 
 Tokenizing the rendered text (:func:`render_chat`):
 
@@ -157,7 +158,9 @@ def _render(tokenizer: Tokenizer, source: str, messages: list[dict[str, Any]], a
     try:
         template = compile_template(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise CheckpointError(tokenizer.source, f"chat template does not parse: line {exc.lineno}: {exc.message}") from exc
+        raise CheckpointError(
+            tokenizer.source, f"chat template does not parse: line {exc.lineno}: {exc.message}"
+        ) from exc
     try:
         return template.render(
             messages=messages,
@@ -173,7 +176,9 @@ def _render(tokenizer: Tokenizer, source: str, messages: list[dict[str, Any]], a
     except jinja2.TemplateError as exc:  # raise_exception(...) and undefined-call errors
         raise RequestError("messages", f"the chat template rejected the conversation: {exc.message}") from exc
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise RequestError("messages", f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from exc
+        raise RequestError(
+            "messages", f"the chat template failed on this conversation: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def render_chat_text(

@@ -264,7 +264,9 @@ class Tokenizer:
         ids = list(ids)
         for i in ids:
             if not 0 <= i < self._vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary (0..{self._vocab_size - 1}) of {self._source}")
+                raise ValueError(
+                    f"token id {i} is outside the vocabulary (0..{self._vocab_size - 1}) of {self._source}"
+                )
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -366,7 +368,8 @@ def _template_flag(
         return bool(config[key])
     if ids and ids != [token_id]:
         raise CheckpointError(
-            path, f"post-processor adds ids {ids} {where} the text; zllm supports only the tokenizer's own BOS/EOS there"
+            path,
+            f"post-processor adds ids {ids} {where} the text; zllm supports only the tokenizer's own BOS/EOS there",
         )
     return bool(ids)
 

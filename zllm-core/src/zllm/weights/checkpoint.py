@@ -106,7 +106,9 @@ class Checkpoint(abc.ABC):
         """
 
 
-def open_checkpoint(path: str | Path, fmt: str = "auto", gguf_maps: Mapping[str, GGUFArchMap] | None = None) -> Checkpoint:
+def open_checkpoint(
+    path: str | Path, fmt: str = "auto", gguf_maps: Mapping[str, GGUFArchMap] | None = None
+) -> Checkpoint:
     """Open the checkpoint at ``path``.
 
     Args:
@@ -129,14 +131,18 @@ def open_checkpoint(path: str | Path, fmt: str = "auto", gguf_maps: Mapping[str,
     """
     path = Path(path)
     if fmt not in CHECKPOINT_FORMATS:
-        raise CheckpointError(str(path), f"unknown checkpoint format {fmt!r}; expected one of {', '.join(CHECKPOINT_FORMATS)}")
+        raise CheckpointError(
+            str(path), f"unknown checkpoint format {fmt!r}; expected one of {', '.join(CHECKPOINT_FORMATS)}"
+        )
     if not path.exists():
         raise CheckpointError(str(path), "no such file or directory")
     if fmt == "auto":
         fmt = "hf" if path.is_dir() else "gguf"
     if fmt == "hf":
         if not path.is_dir():
-            raise CheckpointError(str(path), "an hf checkpoint is a directory holding config.json and model.safetensors")
+            raise CheckpointError(
+                str(path), "an hf checkpoint is a directory holding config.json and model.safetensors"
+            )
         from zllm.weights.hf import HFCheckpoint
 
         return HFCheckpoint(path)

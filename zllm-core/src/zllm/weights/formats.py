@@ -100,7 +100,9 @@ def format_of(weight: torch.Tensor | QuantizedTensor) -> str:
     try:
         return DENSE_FORMATS[weight.dtype]
     except KeyError:
-        raise ValueError(f"unsupported weight dtype {weight.dtype}; expected one of {sorted(DENSE_FORMATS.values())}") from None
+        raise ValueError(
+            f"unsupported weight dtype {weight.dtype}; expected one of {sorted(DENSE_FORMATS.values())}"
+        ) from None
 
 
 @attrs.frozen(eq=False)

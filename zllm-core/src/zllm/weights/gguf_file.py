@@ -100,7 +100,11 @@ class GGUFCheckpoint(Checkpoint):
     @functools.cached_property
     def metadata(self) -> dict[str, Any]:
         # As GGUFReader's fields without its GGUF.* pseudo-keys (version, counts); lists copied.
-        return {k: list(f.value) if isinstance(f.value, list) else f.value for k, f in self._fields.items() if not k.startswith("GGUF.")}
+        return {
+            k: list(f.value) if isinstance(f.value, list) else f.value
+            for k, f in self._fields.items()
+            if not k.startswith("GGUF.")
+        }
 
     @property
     def files(self) -> list[Path]:
@@ -148,7 +152,9 @@ class GGUFCheckpoint(Checkpoint):
             value = self._scalar(full)
             if value is None:
                 if key.default is REQUIRED:
-                    raise CheckpointError(str(self.path), f"missing required metadata key {full!r} (for config {key.hf_key!r})")
+                    raise CheckpointError(
+                        str(self.path), f"missing required metadata key {full!r} (for config {key.hf_key!r})"
+                    )
                 value = call_default(key.default, config)
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 # The defaults divide by these and count layers with them.
@@ -163,7 +169,9 @@ class GGUFCheckpoint(Checkpoint):
         freqs = self._raw.get(ROPE_FREQS_TENSOR)
         if freqs is not None:
             if freqs.tensor_type != GGMLQuantizationType.F32:
-                raise TensorError(str(self.path), ROPE_FREQS_TENSOR, f"stored as {freqs.tensor_type.name}; llama.cpp expects F32")
+                raise TensorError(
+                    str(self.path), ROPE_FREQS_TENSOR, f"stored as {freqs.tensor_type.name}; llama.cpp expects F32"
+                )
             config["rope_freq_factors"] = [float(f) for f in np.asarray(freqs.data).reshape(-1)]
         # llama.cpp sizes token_embd by the vocabulary (tokenizer.ggml.tokens); files without
         # one (e.g. converted without a vocab) fall back to {arch}.vocab_size, then the rows.
@@ -189,7 +197,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def _special_ids(self) -> dict[str, int]:
         ids = {}
-        for hf_key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        for hf_key, gguf_key in (
+            ("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")
+        ):
             value = self._value(gguf_key)
             if value is not None:
                 ids[hf_key] = int(value)
@@ -223,7 +233,8 @@ class GGUFCheckpoint(Checkpoint):
             if name is None:
                 known = ", ".join([*m.global_tensors, *(f"blk.N.{b}" for b in m.block_tensors)])
                 raise TensorError(
-                    str(self.path), t.name, f"no HF name in the {self.architecture!r} tensor map (mapped: {known}; .weight/.bias)"
+                    str(self.path), t.name,
+                    f"no HF name in the {self.architecture!r} tensor map (mapped: {known}; .weight/.bias)",
                 )
             out[name] = t
         return out
@@ -263,7 +274,9 @@ class GGUFCheckpoint(Checkpoint):
         weight: torch.Tensor | QuantizedTensor
         if fmt in BLOCK_LAYOUTS:
             if len(shape) != 2:
-                raise TensorError(str(self.path), name, f"{fmt} tensor of shape {list(shape)}; zllm keeps 2-D quantized weights only")
+                raise TensorError(
+                    str(self.path), name, f"{fmt} tensor of shape {list(shape)}; zllm keeps 2-D quantized weights only"
+                )
             weight = QuantizedTensor(data, fmt, shape)  # data: uint8 [rows, bytes per row]
         else:
             if fmt == "bf16":

@@ -89,7 +89,9 @@ class GGUFPartialBlockError(GGUFFormatError):
 
     def __init__(self, tensor: str, qtype: GGMLQuantizationType, cols: int, block: int):
         self.tensor = tensor
-        super().__init__(f"stored as GGUF type {qtype.name} with rows of {cols} weights, not a multiple of its {block}-weight block")
+        super().__init__(
+            f"stored as GGUF type {qtype.name} with rows of {cols} weights, not a multiple of its {block}-weight block"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +148,9 @@ class _Parser:
         self.off = 0
 
     def truncated(self, what: str, off: int, n: int) -> GGUFFormatError:
-        return GGUFFormatError(f"truncated GGUF header: {what} at byte {off} needs {n} bytes, the file has {self.size} bytes")
+        return GGUFFormatError(
+            f"truncated GGUF header: {what} at byte {off} needs {n} bytes, the file has {self.size} bytes"
+        )
 
     def need(self, n: int, what: str) -> int:
         """Offset of ``n`` bytes for ``what`` at the cursor, which moves past them."""
@@ -226,7 +230,9 @@ class _Parser:
             try:
                 append(str(buf[off:end], "utf-8"))
             except UnicodeDecodeError as e:
-                raise GGUFFormatError(f"corrupt GGUF header: {what} element {i} is not UTF-8 ({e.reason} at byte {e.start})") from None
+                raise GGUFFormatError(
+                    f"corrupt GGUF header: {what} element {i} is not UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
             off = end
         self.off = off
         return out
@@ -253,7 +259,9 @@ class _Parser:
                     try:
                         sub = GGUFValueType(raw_sub)
                     except ValueError:
-                        raise GGUFFormatError(f"corrupt GGUF header: {elem} has unknown element type {raw_sub}") from None
+                        raise GGUFFormatError(
+                            f"corrupt GGUF header: {elem} has unknown element type {raw_sub}"
+                        ) from None
                     sub_types, sub_leaves = self._raw_array(sub, sub_count, elem, depth + 1)
                     leaves += sub_leaves
                 elem_types = (item, *sub_types)
@@ -270,7 +278,9 @@ class _Parser:
         return types, leaves
 
 
-def _flatten_like_gguf(leaf_type: GGUFValueType, leaves: list[tuple[GGUFValueType, memoryview]], what: str) -> list[Any]:
+def _flatten_like_gguf(
+    leaf_type: GGUFValueType, leaves: list[tuple[GGUFValueType, memoryview]], what: str
+) -> list[Any]:
     """``ReaderField.contents()`` of an array of arrays: all leaves in one list, as strings if
     the first element's innermost type is STRING, else as numbers (a string's bytes as ints)."""
     if leaf_type == GGUFValueType.STRING:
@@ -309,7 +319,9 @@ def read_gguf_header(path: Path | str) -> GGUFHeader:
         if swapped in SUPPORTED_VERSIONS:
             raise GGUFUnsupportedError("big-endian GGUF files are not supported")
     if version not in SUPPORTED_VERSIONS:
-        raise GGUFUnsupportedError(f"GGUF version {version} is not supported (versions {' and '.join(map(str, SUPPORTED_VERSIONS))} are)")
+        raise GGUFUnsupportedError(
+            f"GGUF version {version} is not supported (versions {' and '.join(map(str, SUPPORTED_VERSIONS))} are)"
+        )
     n_tensors = p.u64("tensor count")
     n_kv = p.u64("key/value count")
 
@@ -346,7 +358,9 @@ def read_gguf_header(path: Path | str) -> GGUFHeader:
         for d in dims:
             elements *= d or 1
         if elements > _MAX_ELEMENTS:  # numpy's limit on an array's bytes, even with a zero dimension
-            raise GGUFFormatError(f"corrupt GGUF header: tensor {name!r} has dimensions {list(dims)}, over 2**60 elements")
+            raise GGUFFormatError(
+                f"corrupt GGUF header: tensor {name!r} has dimensions {list(dims)}, over 2**60 elements"
+            )
         names.add(name)
         infos.append((name, dims, qtype, offset))
 

@@ -116,7 +116,10 @@ def rope_scaling_config(get: Any, arch: str) -> dict[str, Any] | None:
     if kind in (None, "none"):
         return None
     if kind not in ROPE_SCALING_TYPES:
-        raise ValueError(f"RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})")
+        raise ValueError(
+            f"RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
+            f"(supported: {', '.join(ROPE_SCALING_TYPES)})"
+        )
     factor = get(f"{arch}.rope.scaling.factor")
     if factor is None:
         raise ValueError(f"RoPE scaling {kind!r} needs {arch}.rope.scaling.factor")

@@ -62,14 +62,20 @@ def read_safetensors_header(file: Path) -> dict[str, _Entry]:
     with file.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(str(file), f"truncated: {size} bytes, shorter than the 8-byte safetensors header length")
+            raise CheckpointError(
+                str(file), f"truncated: {size} bytes, shorter than the 8-byte safetensors header length"
+            )
         header_bytes = int.from_bytes(head, "little")
         if 8 + header_bytes > size:
             if f.read(1) not in (b"{", b""):
                 # The header is JSON; without it this is no safetensors file at all, and
                 # "truncated" (with an absurd promised size) would mislead.
-                raise CheckpointError(str(file), "not a safetensors file: no JSON header after the 8-byte header length")
-            raise CheckpointError(str(file), f"truncated: the header promises {8 + header_bytes} bytes, the file has {size} bytes")
+                raise CheckpointError(
+                    str(file), "not a safetensors file: no JSON header after the 8-byte header length"
+                )
+            raise CheckpointError(
+                str(file), f"truncated: the header promises {8 + header_bytes} bytes, the file has {size} bytes"
+            )
         raw = f.read(header_bytes)
     try:
         header = json.loads(raw)
@@ -93,7 +99,8 @@ def read_safetensors_header(file: Path) -> dict[str, _Entry]:
         item = SAFETENSORS_ITEM_BYTES.get(dtype)
         if not 0 <= begin <= end or (item is not None and end - begin != numel * item):
             raise CheckpointError(
-                str(file), f"corrupt safetensors header: tensor {name!r} {dtype}{list(shape)} has data_offsets [{begin}, {end}]"
+                str(file),
+                f"corrupt safetensors header: tensor {name!r} {dtype}{list(shape)} has data_offsets [{begin}, {end}]",
             )
         entries[name] = _Entry(file, dtype, shape)
         data_end = max(data_end, end)
@@ -140,7 +147,10 @@ class HFCheckpoint(Checkpoint):
             shards, self._entries = self._read_index(self._index)
         else:
             found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-            hint = f"; found {', '.join(found)} (zllm reads safetensors; a .gguf file is opened by its own path)" if found else ""
+            hint = (
+                f"; found {', '.join(found)} (zllm reads safetensors; a .gguf file is opened by its own path)"
+                if found else ""
+            )
             raise CheckpointError(str(path), f"no weights: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
         self._shards = shards
         # One copy-on-write mapping per shard, opened now so safetensors' own validation runs
@@ -227,7 +237,8 @@ class HFCheckpoint(Checkpoint):
         fmt = SAFETENSORS_FORMATS.get(entry.dtype)
         if fmt is None:
             raise TensorError(
-                str(entry.file), name, f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)}"
+                str(entry.file), name,
+                f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)}",
             )
         return entry.shape, fmt
 
