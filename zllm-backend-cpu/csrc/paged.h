@@ -16,6 +16,7 @@
 #include "common.h"
 
 #define KEYS_CHUNK 64                 /* keys per chunk that all query heads of a group use (multiple of 8) */
+#define L1_KEY_BYTES (32 << 10)     /* bytes of key rows a pass-1 chunk may take (L1 is 32-48 KiB) */
 #define PREFETCH_KEYS 16              /* keys ahead whose K / V rows are prefetched (8-32 measured alike) */
 
 /* ---- vector helpers ---- */
@@ -137,10 +138,14 @@ static void item_##NAME(const float *q, int64_t q_hs, const CT *kc, const CT *vc
                         int64_t dk, int64_t dv, int64_t nk, int64_t g, float scale, float *o, float *sc) { \
     const int64_t lp = (nk + 7) & ~(int64_t)7;                                                  \
     const int64_t k_bytes = dk * (int64_t)sizeof(CT), v_bytes = dv * (int64_t)sizeof(CT);       \
+    /* pass 1's chunk: KEYS_CHUNK keys, fewer for wide key rows (MLA: W = 576) so that the     \
+     * chunk stays in L1 while every head of the group reads it */                            \
+    const int64_t fit = (L1_KEY_BYTES / k_bytes) & ~(int64_t)7;                                 \
+    const int64_t chunk = fit < 8 ? 8 : fit < KEYS_CHUNK ? fit : KEYS_CHUNK;                    \
     /* pass 1: scores, a chunk of keys for every query head; the first head's sweep prefetches \
      * the keys PREFETCH_KEYS ahead */                                                          \
-    for (int64_t j0 = 0; j0 < lp; j0 += KEYS_CHUNK) {                                           \
-        const int64_t n8 = lp - j0 < KEYS_CHUNK ? lp - j0 : KEYS_CHUNK;                         \
+    for (int64_t j0 = 0; j0 < lp; j0 += chunk) {                                                \
+        const int64_t n8 = lp - j0 < chunk ? lp - j0 : chunk;                                   \
         for (int64_t gi = 0; gi < g; gi++)                                                      \
             for (int64_t t = j0; t < j0 + n8; t += 8) {                                         \
                 if (gi == 0)                                                                    \
