@@ -65,7 +65,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--round-s", type=float, default=0.3)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="latent cache dtype")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="latent cache dtype"
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
@@ -77,14 +79,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     kv_b = (torch.randn(H * (DN + DV), R, generator=g) / R**0.5).to(torch.bfloat16)
-    print(f"MLA decode H={H} R={R} Dr={DR} Dn={DN} Dv={DV}, kv_b_proj bf16, cache {args.dtype}, "
-          f"BS {BLOCK_SIZE}, {args.threads} threads; median µs per call")
+    print(
+        f"MLA decode H={H} R={R} Dr={DR} Dn={DN} Dv={DV}, kv_b_proj bf16, cache {args.dtype}, "
+        f"BS {BLOCK_SIZE}, {args.threads} threads; median µs per call"
+    )
     print(f"{'batch':>5} {'context':>7} {'native':>9} {'torch':>9} {'torch/native':>12}")
     for batch in args.batches:
         for ctx in args.contexts:
             step = decode_step(batch, ctx, DTYPES[args.dtype], kv_b, g)
-            cases = {"native": lambda: paged_mla.mla_attention(*step),
-                     "torch": lambda: torch_mla.mla_attention(*step)}
+            cases = {
+                "native": lambda: paged_mla.mla_attention(*step),
+                "torch": lambda: torch_mla.mla_attention(*step),
+            }
             times: dict[str, list[float]] = {name: [] for name in cases}
             for fn in cases.values():
                 fn()  # warm up (the native kernel splits kv_b_proj here, once)

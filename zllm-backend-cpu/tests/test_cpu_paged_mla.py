@@ -26,7 +26,13 @@ from zllm_backend_cpu.kernels.paged_mla import absorbed_weights, mla_attention
 
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (H, Dn, Dr, Dv, R): tails in every width (Dn 5, W 20 + 4, Dv 12), one head, DeepSeek-like ratios
-SHAPES = [(4, 16, 8, 16, 32), (3, 5, 4, 12, 20), (1, 32, 16, 32, 64), (8, 16, 8, 8, 24), (16, 8, 2, 8, 70)]
+SHAPES = [
+    (4, 16, 8, 16, 32),
+    (3, 5, 4, 12, 20),
+    (1, 32, 16, 32, 64),
+    (8, 16, 8, 8, 24),
+    (16, 8, 2, 8, 70),
+]
 
 
 def mla_batch(shape, bs: int, lens: list[tuple[int, int]], cache_dtype: torch.dtype, seed: int):
@@ -37,10 +43,13 @@ def mla_batch(shape, bs: int, lens: list[tuple[int, int]], cache_dtype: torch.dt
     _, latent, _, cache, _, meta = paged_batch(1, 1, w, bs, lens, cache_dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     t = latent.shape[0]
-    q_nope, q_pe = torch.randn(t, h * (dn + dr), generator=g).view(t, h, dn + dr).split([dn, dr], dim=-1)
+    q_nope, q_pe = (
+        torch.randn(t, h * (dn + dr), generator=g).view(t, h, dn + dr).split([dn, dr], dim=-1)
+    )
     kv_b = torch.randn(h * (dn + dv), r, generator=g) / r**0.5
-    meta = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.query_lens, meta.context_lens,
-                             (dn + dr) ** -0.5)
+    meta = AttentionMetadata(
+        meta.slot_mapping, meta.block_tables, meta.query_lens, meta.context_lens, (dn + dr) ** -0.5
+    )
     return q_nope, q_pe, latent[:, 0], cache.view(cache.shape[0], bs, w), kv_b, meta
 
 
@@ -55,7 +64,9 @@ def run_and_compare(args):
         expected[form] = mla_paged_attention(q_nope, q_pe, latent, ref_cache, kv_b, meta, form=form)
     got = mla_attention(q_nope, q_pe, latent, cache, kv_b, meta)
     assert torch.equal(cache, ref_cache)
-    assert all(torch.equal(a, b) for a, b in zip(inputs, (q_nope, q_pe, latent), strict=True)), "an input was written"
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (q_nope, q_pe, latent), strict=True)), (
+        "an input was written"
+    )
     return got, expected
 
 
@@ -65,9 +76,16 @@ def batches(draw, max_ctx: int = 120, kinds=("new", "append", "decode", "decode"
     for _ in range(draw(st.integers(1, 5))):
         n_ctx = draw(st.integers(1, max_ctx))
         kind = draw(st.sampled_from(kinds))
-        lens.append(({"new": n_ctx, "decode": 1, "append": draw(st.integers(1, n_ctx))}[kind], n_ctx))
-    return (draw(st.sampled_from(SHAPES)), draw(st.sampled_from([1, 3, 5, 16])), lens,
-            draw(st.sampled_from(CACHE_DTYPES)), draw(st.integers(0, 2**16)))
+        lens.append(
+            ({"new": n_ctx, "decode": 1, "append": draw(st.integers(1, n_ctx))}[kind], n_ctx)
+        )
+    return (
+        draw(st.sampled_from(SHAPES)),
+        draw(st.sampled_from([1, 3, 5, 16])),
+        lens,
+        draw(st.sampled_from(CACHE_DTYPES)),
+        draw(st.integers(0, 2**16)),
+    )
 
 
 def test_conformance_cases_match_both_reference_forms():
@@ -106,11 +124,18 @@ def test_long_context_decode_matches_the_reference(cache_dtype):
 
 
 def test_quantized_kv_b_proj_matches_the_reference_on_its_decoded_weight():
-    case = next(c for c in cases_for("mla_attention", "paged", seed=1) if "kv_b_proj=q8_0" in c.label)
+    case = next(
+        c for c in cases_for("mla_attention", "paged", seed=1) if "kv_b_proj=q8_0" in c.label
+    )
     args = reference_args(case)
     assert isinstance(args[4], QuantizedTensor)
-    decode_only = AttentionMetadata(args[5].slot_mapping[-1:], args[5].block_tables[-1:], (1,),
-                                    args[5].context_lens[-1:], args[5].scale)
+    decode_only = AttentionMetadata(
+        args[5].slot_mapping[-1:],
+        args[5].block_tables[-1:],
+        (1,),
+        args[5].context_lens[-1:],
+        args[5].scale,
+    )
     q_nope, q_pe, latent = (x[-1:] for x in args[:3])
     got = mla_attention(q_nope, q_pe, latent, args[3].clone(), args[4], decode_only)
     ref = mla_paged_attention(q_nope, q_pe, latent, args[3].clone(), args[4], decode_only)
@@ -121,8 +146,13 @@ def alone(args, s: int):
     """Sequence ``s`` (a decode row) of the batch ``args`` as a batch of its own."""
     q_nope, q_pe, latent, _, _, meta = args
     row = sum(meta.query_lens[:s])
-    sub = AttentionMetadata(meta.slot_mapping[row : row + 1], meta.block_tables[s : s + 1], (1,),
-                            (meta.context_lens[s],), meta.scale)
+    sub = AttentionMetadata(
+        meta.slot_mapping[row : row + 1],
+        meta.block_tables[s : s + 1],
+        (1,),
+        (meta.context_lens[s],),
+        meta.scale,
+    )
     return row, (q_nope[row : row + 1], q_pe[row : row + 1], latent[row : row + 1], sub)
 
 
@@ -152,7 +182,9 @@ def with_threads(n: int, fn):
 @given(batches(max_ctx=400, kinds=("decode",)), st.sampled_from([2, 3, 5]))
 def test_thread_counts_give_identical_bits(batch, threads):
     shape, bs, lens, cache_dtype, seed = batch
-    q_nope, q_pe, latent, cache, kv_b, meta = mla_batch((16, 32, 16, 32, 64), bs, lens, cache_dtype, seed)
+    q_nope, q_pe, latent, cache, kv_b, meta = mla_batch(
+        (16, 32, 16, 32, 64), bs, lens, cache_dtype, seed
+    )
 
     def run():
         return mla_attention(q_nope, q_pe, latent, cache.clone(), kv_b, meta)
@@ -165,10 +197,30 @@ def test_thread_counts_give_identical_bits(batch, threads):
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_latent_write_skips_padding_slots_and_rounds_like_tensor_to(cache_dtype):
     w = 8 * 3 + 5  # vector part and tail
-    bits = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F801000, 0x3F803000, 0x7F7FFFFF, 0x477FF000,
-                         0x477FEFFF, 0x33800000, 0x33000001, 0x00000001, 0x80000000, 0x7F800000, 0xFF800000,
-                         0x387FC000, 0x38800000], dtype=torch.int64).to(torch.int32)
-    values = torch.cat([bits.view(torch.float32), torch.randn(2048) * 1e3, torch.randn(2048) * 1e-6])
+    bits = torch.tensor(
+        [
+            0x3F808000,
+            0x3F818000,
+            0xBF808000,
+            0x3F801000,
+            0x3F803000,
+            0x7F7FFFFF,
+            0x477FF000,
+            0x477FEFFF,
+            0x33800000,
+            0x33000001,
+            0x00000001,
+            0x80000000,
+            0x7F800000,
+            0xFF800000,
+            0x387FC000,
+            0x38800000,
+        ],
+        dtype=torch.int64,
+    ).to(torch.int32)
+    values = torch.cat(
+        [bits.view(torch.float32), torch.randn(2048) * 1e3, torch.randn(2048) * 1e-6]
+    )
     latent = values[: values.numel() // w * w].view(-1, w)  # [T, W]
     t = latent.shape[0]
     cache = torch.zeros(t + 3, 1, w, dtype=cache_dtype)
@@ -179,17 +231,23 @@ def test_latent_write_skips_padding_slots_and_rounds_like_tensor_to(cache_dtype)
     write(latent.data_ptr(), w, slots.data_ptr(), t, w, cache.data_ptr(), t + 3, 2)
     flat = cache.view(t + 3, w)
     kept = (slots >= 0) & (slots < t + 3)
-    assert torch.equal(flat[slots[kept]].view(torch.int8), latent[kept].to(cache_dtype).view(torch.int8))
+    assert torch.equal(
+        flat[slots[kept]].view(torch.int8), latent[kept].to(cache_dtype).view(torch.int8)
+    )
     others = torch.ones(t + 3, dtype=torch.bool)
     others[slots[kept]] = False
     assert not flat[others].any()
 
 
 def test_block_table_entry_outside_the_cache_gives_nan_not_a_wild_read():
-    q_nope, q_pe, latent, cache, kv_b, meta = mla_batch(SHAPES[0], 4, [(1, 9), (1, 6)], torch.float32, 0)
+    q_nope, q_pe, latent, cache, kv_b, meta = mla_batch(
+        SHAPES[0], 4, [(1, 9), (1, 6)], torch.float32, 0
+    )
     tables = meta.block_tables.clone()
     tables[0, 1] = cache.shape[0]  # sequence 0's second block past the cache
-    bad = AttentionMetadata(meta.slot_mapping, tables, meta.query_lens, meta.context_lens, meta.scale)
+    bad = AttentionMetadata(
+        meta.slot_mapping, tables, meta.query_lens, meta.context_lens, meta.scale
+    )
     got = mla_attention(q_nope, q_pe, latent, cache, kv_b, bad)
     assert got[0].isnan().all() and not got[1].isnan().any()
 

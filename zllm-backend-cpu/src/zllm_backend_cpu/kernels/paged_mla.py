@@ -44,14 +44,44 @@ from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
 
 # zllm_mla_latent_write_<c>(latent, l_ts, slots, T, W, cache, NB * BS, threads)
 _WRITE_ARGTYPES = (P, I64, P, I64, I64, P, I64, INT)
-# zllm_mla_decode_<c>(q_nope, qn_ts, qn_hs, q_pe, qp_ts, qp_hs, q_rows | NULL, seqs | NULL, ctx_lens,
-#     block_tables, bt_rs, MB, cache, NB, BS, S', H, Dn, Dr, Dv, R, w_uk, w_uv_t, scale, q_lat, lat,
-#     out, threads)
-_DECODE_ARGTYPES = (P, I64, I64, P, I64, I64, P, P, P, P, I64, I64, P, I64, I64, I64, I64, I64, I64, I64, I64,
-                    P, P, F32, P, P, P, INT)
+# zllm_mla_decode_<c>(q_nope, qn_ts, qn_hs, q_pe, qp_ts, qp_hs, q_rows | NULL, seqs | NULL,
+#     ctx_lens, block_tables, bt_rs, MB, cache, NB, BS, S', H, Dn, Dr, Dv, R, w_uk, w_uv_t, scale,
+#     q_lat, lat, out, threads)
+_DECODE_ARGTYPES = (
+    P,
+    I64,
+    I64,
+    P,
+    I64,
+    I64,
+    P,
+    P,
+    P,
+    P,
+    I64,
+    I64,
+    P,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    P,
+    P,
+    F32,
+    P,
+    P,
+    P,
+    INT,
+)
 _KERNELS = {
-    dtype: (function(f"zllm_mla_latent_write_{name}", *_WRITE_ARGTYPES),
-            function(f"zllm_mla_decode_{name}", *_DECODE_ARGTYPES))
+    dtype: (
+        function(f"zllm_mla_latent_write_{name}", *_WRITE_ARGTYPES),
+        function(f"zllm_mla_decode_{name}", *_DECODE_ARGTYPES),
+    )
     for dtype, name in ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16"))
 }
 
@@ -121,8 +151,16 @@ def mla_attention(
     out = torch.empty(t, h, dv)  # [T, H, Dv]
     if t == 0:
         return out
-    write(latent.data_ptr(), latent.stride(0), slots.data_ptr(), t, width, latent_cache.data_ptr(), nb * bs,
-          threads)
+    write(
+        latent.data_ptr(),
+        latent.stride(0),
+        slots.data_ptr(),
+        t,
+        width,
+        latent_cache.data_ptr(),
+        nb * bs,
+        threads,
+    )
     last = _last_plan  # one read: another thread (another engine) may replace it meanwhile
     n, info, prefill = last[1] if last[0] is meta else _plan(meta, t)
     if n:
@@ -134,10 +172,36 @@ def mla_attention(
             rows, seqs, ptr = ptr, ptr + 8 * n, ptr + 16 * n
         q_lat = torch.empty(n, h, width)  # [S', H, W] scratch: the latent queries
         lat = torch.empty(n, h, r)  # [S', H, R] scratch: the attended latents
-        decode(q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_pe.data_ptr(), q_pe.stride(0),
-               q_pe.stride(1), rows, seqs, ptr, tables.data_ptr(), tables.stride(0), tables.shape[1],
-               latent_cache.data_ptr(), nb, bs, n, h, dn, dr, dv, r, w_uk.data_ptr(), w_uv_t.data_ptr(),
-               meta.scale, q_lat.data_ptr(), lat.data_ptr(), out.data_ptr(), threads)
+        decode(
+            q_nope.data_ptr(),
+            q_nope.stride(0),
+            q_nope.stride(1),
+            q_pe.data_ptr(),
+            q_pe.stride(0),
+            q_pe.stride(1),
+            rows,
+            seqs,
+            ptr,
+            tables.data_ptr(),
+            tables.stride(0),
+            tables.shape[1],
+            latent_cache.data_ptr(),
+            nb,
+            bs,
+            n,
+            h,
+            dn,
+            dr,
+            dv,
+            r,
+            w_uk.data_ptr(),
+            w_uv_t.data_ptr(),
+            meta.scale,
+            q_lat.data_ptr(),
+            lat.data_ptr(),
+            out.data_ptr(),
+            threads,
+        )
     if prefill:
         _prefill(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta, prefill, out)
     return out
@@ -178,19 +242,35 @@ def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
     return plan
 
 
-def _prefill(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta: AttentionMetadata, prefill: list[int],
-             out: torch.Tensor) -> None:
+def _prefill(
+    q_nope,
+    q_pe,
+    latent,
+    latent_cache,
+    kv_b_proj,
+    meta: AttentionMetadata,
+    prefill: list[int],
+    out: torch.Tensor,
+) -> None:
     """The prefill sequences ``prefill`` through the torch kernel, their rows into ``out``."""
     starts = [0]
     for n_q in meta.query_lens:
         starts.append(starts[-1] + n_q)
     ranges = [(starts[s], starts[s + 1]) for s in prefill]
     idx: slice | torch.Tensor
-    if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):  # one contiguous run of rows
+    if all(
+        ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)
+    ):  # one contiguous run of rows
         idx = slice(ranges[0][0], ranges[-1][1])
     else:
         idx = torch.cat([torch.arange(a, b) for a, b in ranges])  # [T_prefill]
-    sub = AttentionMetadata(meta.slot_mapping[idx], meta.block_tables[prefill],
-                            tuple(meta.query_lens[s] for s in prefill), tuple(meta.context_lens[s] for s in prefill),
-                            meta.scale)
-    out[idx] = torch_mla.mla_attention(q_nope[idx], q_pe[idx], latent[idx], latent_cache, kv_b_proj, sub)
+    sub = AttentionMetadata(
+        meta.slot_mapping[idx],
+        meta.block_tables[prefill],
+        tuple(meta.query_lens[s] for s in prefill),
+        tuple(meta.context_lens[s] for s in prefill),
+        meta.scale,
+    )
+    out[idx] = torch_mla.mla_attention(
+        q_nope[idx], q_pe[idx], latent[idx], latent_cache, kv_b_proj, sub
+    )
