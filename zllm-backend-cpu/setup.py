@@ -1,5 +1,5 @@
 """Build step of zllm-backend-cpu: compiles the native kernel library (``csrc/*.c``: GEMV,
-element-wise ops, paged decode attention) with the machine's C compiler into
+element-wise ops, paged decode attention, MLA decode) with the machine's C compiler into
 ``zllm_backend_cpu/_native.so``; the metadata is in pyproject.toml.
 
 The library is a plain shared object loaded with ctypes (never imported as a Python module),
@@ -34,7 +34,7 @@ class PlatformWheel(bdist_wheel):
 NATIVE = Extension(
     "zllm_backend_cpu._native",
     sources=sorted(str(p.relative_to(Path(__file__).parent)) for p in (Path(__file__).parent / "csrc").glob("*.c")),
-    depends=["csrc/common.h"],
+    depends=["csrc/common.h", "csrc/paged.h"],
     # The ISA flags name exactly what the intrinsics need (checked at load time); -mtune
     # schedules for the machine that builds (and runs) it. No -ffast-math and no
     # contraction: the reduction order is part of the kernels' contract (see gemv.c, attention.c).

@@ -15,9 +15,9 @@ highest; batch-invariant mode the highest batch-invariant one):
 - -2: torch, batch-invariant (:data:`INVARIANT_KERNELS`).
 
 The other ops follow the same rule: the native kernels (:data:`NATIVE_KERNELS`: RMSNorm, add +
-RMSNorm, RoPE, SiLU-and-mul, paged attention, the MoE FFN over native GEMV) at priority 1 over
-the torch ones at 0; ``moe`` has batch-invariant kernels at -1 (native) and -2 (torch) as
-``linear`` does.
+RMSNorm, RoPE, SiLU-and-mul, paged attention, MLA decode, the MoE FFN over native GEMV) at
+priority 1 over the torch ones at 0; ``moe`` has batch-invariant kernels at -1 (native) and -2
+(torch) as ``linear`` does.
 
 When the native library is unavailable, the torch kernels of the ops and formats it would serve
 carry the reason as their registry note, so ``zllm run --explain`` says why the torch path runs.
@@ -78,6 +78,7 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("silu_mul", ("f32",), f"{_PKG}.elementwise:silu_mul"),
     ("attention", ("paged",), f"{_PKG}.paged_attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
+    ("mla_attention", ("paged",), f"{_PKG}.paged_mla:mla_attention"),
     ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv"),
 ]
 
