@@ -14,7 +14,14 @@ from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.domain.family import FamilyInfo, KVCacheShape
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
-from zllm.domain.moe import RouterConfig, RouterOutput, SharedExperts, select_experts
+from zllm.domain.moe import (
+    RouterConfig,
+    RouterOutput,
+    SharedExperts,
+    is_moe_layer,
+    router_config_from_hf,
+    select_experts,
+)
 from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import (
     ROPE_TYPES,
@@ -63,8 +70,10 @@ __all__ = [
     "default_inv_freq",
     "format_of",
     "hookimpl",
+    "is_moe_layer",
     "rope_cos_sin",
     "rope_inv_freq",
     "rope_params_from_config",
+    "router_config_from_hf",
     "select_experts",
 ]
