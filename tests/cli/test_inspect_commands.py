@@ -178,7 +178,8 @@ def test_plugins_table_lists_cpu_and_llama_as_loaded():
     assert rows["cpu"]["DISTRIBUTION"] == "zllm-backend-cpu"
     assert rows["cpu"]["KIND"] == "backend:cpu"
     assert rows["llama"]["DISTRIBUTION"] == "zllm-model-llama"
-    assert rows["llama"]["KIND"] == "family:llama, family:mistral, family:qwen2, family:qwen3"
+    assert rows["llama"]["KIND"] == ("family:llama, family:mistral, family:qwen2, family:qwen3, family:mixtral, "
+                                     "family:qwen2_moe, family:qwen3_moe")
     for name in ("cpu", "llama"):
         assert rows[name]["VERSION"] == "0.1.0"
         assert rows[name]["STATUS"] == "loaded"

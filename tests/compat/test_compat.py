@@ -165,10 +165,9 @@ def test_render_reports_core_api_and_each_plugins_distribution_version_api_and_c
     md = render(matrix, "md")
     assert "Core plugin API: **1.1**" in md
     llama = next(p for p in matrix.plugins if p.name == "llama")
-    assert (
-        f"| llama | zllm-model-llama | {llama.version} | family:llama, family:mistral, family:qwen2, family:qwen3 "
-        f"| loaded | 1.1 | {llama.requires_core} |"
-    ) in md
+    families = ("family:llama, family:mistral, family:qwen2, family:qwen3, family:mixtral, family:qwen2_moe, "
+                "family:qwen3_moe")
+    assert f"| llama | zllm-model-llama | {llama.version} | {families} | loaded | 1.1 | {llama.requires_core} |" in md
     assert md.count("| example | declared |") == 1
 
     data = json.loads(render(matrix, "json"))

@@ -27,8 +27,8 @@ def test_installed_cpu_backend_and_llama_family_arrive_through_entry_points(inst
     assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.0")
     assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.1")
     assert records["cpu"].kinds == ["backend:cpu"] and records["llama"].kinds == [
-        "family:llama", "family:mistral", "family:qwen2", "family:qwen3"
-    ]
+        "family:llama", "family:mistral", "family:qwen2", "family:qwen3", "family:mixtral", "family:qwen2_moe",
+        "family:qwen3_moe"]
     assert "cpu" in host.backends and "llama" in host.families
 
 

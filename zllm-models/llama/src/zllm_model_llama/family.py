@@ -8,9 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from zllm.plugin_api import Capability, TensorSpec
+from zllm.plugin_api import Capability, CheckpointError, TensorSpec
 from zllm_model_llama.model import LlamaModel
-from zllm_model_llama.spec import LLAMA, MISTRAL, QWEN2, QWEN3, ArchRules, LlamaSpec, spec_from_config
+from zllm_model_llama.spec import (
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    QWEN2,
+    QWEN2_MOE,
+    QWEN3,
+    QWEN3_MOE,
+    ArchRules,
+    LlamaSpec,
+    MoeSpec,
+    spec_from_config,
+)
 
 LINEAR_SUFFIXES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -49,28 +61,48 @@ class LlamaFamily:
             if spec.qk_norm:
                 specs[p + "self_attn.q_norm.weight"] = TensorSpec((spec.head_dim,))
                 specs[p + "self_attn.k_norm.weight"] = TensorSpec((spec.head_dim,))
+            moe_layer = spec.moe is not None and spec.moe.moe_layers[i]
             for name, shape in shapes.items():
+                if moe_layer and name.startswith("mlp."):
+                    continue
                 specs[p + name + ".weight"] = TensorSpec(shape)
                 if bias[name]:
                     specs[p + name + ".bias"] = TensorSpec((shape[0],))
+            if moe_layer:
+                assert spec.moe is not None
+                specs |= _moe_tensor_specs(spec.moe, p + spec.moe.prefix + ".", h)
         return specs
 
     def required_capabilities(self, spec: LlamaSpec, weight_formats: dict[str, str]) -> frozenset[Capability]:
         embed_fmt = weight_formats["model.embed_tokens.weight"]
         head_fmt = weight_formats.get("lm_head.weight", embed_fmt) if not spec.tie_word_embeddings else embed_fmt
-        linear_fmts = {fmt for name, fmt in weight_formats.items() if name.endswith("_proj.weight")} | {head_fmt}
+        linear_fmts = {fmt for name, fmt in weight_formats.items()
+                       if ".experts." not in name and name.endswith(("_proj.weight", ".gate.weight"))} | {head_fmt}
+        moe_fmts = set()
+        if spec.moe is not None:
+            for i, moe_layer in enumerate(spec.moe.moe_layers):
+                if moe_layer:
+                    moe_fmts.add(expert_layout(spec.moe, f"model.layers.{i}.{spec.moe.prefix}.", weight_formats)[1])
         return _capabilities(embed_fmt, linear_fmts, full=None in spec.layer_windows,
-                             sliding=any(w is not None for w in spec.layer_windows), ropes={spec.rope_variant})
+                             sliding=any(w is not None for w in spec.layer_windows), ropes={spec.rope_variant},
+                             moe_fmts=moe_fmts)
 
     def format_capabilities(self, fmt: str) -> frozenset[Capability]:
         # The most any checkpoint of this family may need when all its weights are stored in
         # ``fmt`` (used by ``zllm compat``): a cell it calls declared never fails at load.
         # Both RoPE layouts: HF checkpoints rotate half-rotation pairs, GGUF llama files
         # adjacent pairs, in every format.
-        return _capabilities(fmt, {fmt}, full=True, sliding=self.rules.sliding != "none", ropes={"neox", "gptj"})
+        return _capabilities(fmt, {fmt}, full=True, sliding=self.rules.sliding != "none", ropes={"neox", "gptj"},
+                             moe_fmts={fmt} if self.rules.moe != "none" else set())
 
     def build(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any) -> LlamaModel:
-        return LlamaModel(spec, weights, ops)
+        layouts: list[str | None] = [None] * spec.num_layers
+        if spec.moe is not None:
+            formats = {name: "" for name in weights}
+            for i, moe_layer in enumerate(spec.moe.moe_layers):
+                if moe_layer:
+                    layouts[i] = expert_layout(spec.moe, f"model.layers.{i}.{spec.moe.prefix}.", formats)[0]
+        return LlamaModel(spec, weights, ops, tuple(layouts))
 
 
 class MistralFamily(LlamaFamily):
@@ -94,10 +126,99 @@ class Qwen3Family(LlamaFamily):
     rules = QWEN3
 
 
+class MixtralFamily(LlamaFamily):
+    """Mixtral: Mistral's attention, a top-k softmax MoE FFN (always renormalised) on every layer."""
+
+    name = "mixtral"
+    rules = MIXTRAL
+
+
+class Qwen2MoeFamily(LlamaFamily):
+    """Qwen2-MoE: Qwen2's attention, MoE FFN plus a sigmoid-gated shared expert, dense layers
+    where ``mlp_only_layers`` / ``decoder_sparse_step`` say."""
+
+    name = "qwen2_moe"
+    rules = QWEN2_MOE
+
+
+class Qwen3MoeFamily(LlamaFamily):
+    """Qwen3-MoE: Qwen3's attention (q/k norms), MoE FFN, dense layers as Qwen2-MoE."""
+
+    name = "qwen3_moe"
+    rules = QWEN3_MOE
+
+
+#: Expert-weight layouts a checkpoint may store, each the tensors of one MoE layer (names after
+#: the layer's FFN prefix): one tensor per expert (the hub's files, ``save_pretrained``),
+#: transformers 5's fused ``gate_up_proj [E, 2N, K]`` + ``down_proj [E, K, N]``, or stacks
+#: ``[E, N, K]`` / ``[E, K, N]`` per projection (GGUF ``ffn_{gate,up,down}_exps``).
+EXPERT_LAYOUTS = ("per_expert", "fused", "stacked")
+
+
+def _layout_shapes(moe: MoeSpec, hidden: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    e, n = moe.num_experts, moe.expert_size
+    gate, up, down = moe.expert_names
+    per_expert = {}
+    for i in range(e):
+        per_expert |= {f"experts.{i}.{gate}.weight": (n, hidden), f"experts.{i}.{up}.weight": (n, hidden),
+                       f"experts.{i}.{down}.weight": (hidden, n)}
+    return {
+        "per_expert": per_expert,
+        "fused": {"experts.gate_up_proj": (e, 2 * n, hidden), "experts.down_proj": (e, hidden, n)},
+        "stacked": {f"experts.{gate}.weight": (e, n, hidden), f"experts.{up}.weight": (e, n, hidden),
+                    f"experts.{down}.weight": (e, hidden, n)},
+    }
+
+
+def _moe_tensor_specs(moe: MoeSpec, p: str, hidden: int) -> dict[str, TensorSpec]:
+    """The router, every expert layout (optional: :func:`expert_layout` requires one whole)
+    and the shared expert of one MoE layer whose FFN prefix is ``p``."""
+    specs = {p + "gate.weight": TensorSpec((moe.num_experts, hidden))}
+    for names in _layout_shapes(moe, hidden).values():
+        specs |= {p + name: TensorSpec(shape, optional=True) for name, shape in names.items()}
+    if moe.shared_size is not None:
+        s = moe.shared_size
+        specs |= {p + "shared_expert.gate_proj.weight": TensorSpec((s, hidden)),
+                  p + "shared_expert.up_proj.weight": TensorSpec((s, hidden)),
+                  p + "shared_expert.down_proj.weight": TensorSpec((hidden, s)),
+                  p + "shared_expert_gate.weight": TensorSpec((1, hidden))}
+    return specs
+
+
+def expert_layout(moe: MoeSpec, p: str, present: dict[str, str]) -> tuple[str, str]:
+    """``(layout, format)`` of the experts of the MoE layer with FFN prefix ``p``, from the
+    checkpoint's tensors (``present``: name -> format), before any weight is read.
+
+    Raises:
+        CheckpointError: no layout is complete (names the first missing tensor), several are
+            stored, or the experts' tensors are in more than one format.
+    """
+    hidden = 0  # shapes are checked by the tensor specs; only the names matter here
+    layouts = {kind: [p + n for n in names] for kind, names in _layout_shapes(moe, hidden).items()}
+    stored = [kind for kind, names in layouts.items() if any(n in present for n in names)]
+    if not stored:
+        raise CheckpointError(moe.source, f"tensor {layouts['per_expert'][0]!r} missing from the checkpoint "
+                                          f"(the layer's experts are stored in no known layout: per expert, "
+                                          f"fused gate_up_proj + down_proj, or stacked [E, N, K])")
+    if len(stored) > 1:
+        raise CheckpointError(moe.source, f"{p}experts are stored in several layouts ({', '.join(stored)}); "
+                                          f"a checkpoint holds one")
+    names = layouts[stored[0]]
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise CheckpointError(moe.source, f"tensor {missing[0]!r} missing from the checkpoint ({stored[0]} expert "
+                                          f"layout, {moe.num_experts} experts ({moe.router.experts_key}))")
+    formats = sorted({present[n] for n in names})
+    if len(formats) > 1:
+        raise CheckpointError(moe.source, f"{p}experts are stored in several formats ({', '.join(formats)})")
+    return stored[0], formats[0]
+
+
 def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bool,
-                  ropes: set[str]) -> frozenset[Capability]:
+                  ropes: set[str], moe_fmts: set[str]) -> frozenset[Capability]:
     """The one place that lists what a llama-style model needs: the weight ops in their
-    formats, the attention variants its layers use, the RoPE layouts, and the fixed math ops. Shared by
+    formats (``moe`` in its experts' formats), the attention variants its layers use, the RoPE
+    layouts, and the fixed math ops. Shared by
     ``required_capabilities`` and ``format_capabilities`` so the compatibility matrix and
     the load-time check cannot disagree."""
     return frozenset(
@@ -106,6 +227,7 @@ def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bo
         | ({Capability("attention", "paged")} if full else set())
         | ({Capability("attention_sliding", "paged")} if sliding else set())
         | {Capability("rope", variant) for variant in ropes}
+        | {Capability("moe", fmt) for fmt in moe_fmts}
         | {Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"), Capability("silu_mul", "f32"),
            Capability("sample", "f32")}
     )

@@ -1,7 +1,8 @@
-"""The llama-style forward pass (llama, mistral, qwen2, qwen3), top to bottom (after gpt-fast's ``model.py``).
+"""The llama-style forward pass (llama, mistral, qwen2, qwen3 and the MoE types mixtral,
+qwen2_moe, qwen3_moe), top to bottom (after gpt-fast's ``model.py``).
 
 Dimension legend: T tokens in the batch, S' rows that need logits, H query heads, Hkv KV
-heads, D head dim, C hidden size, F FFN size, V vocabulary.
+heads, D head dim, C hidden size, F FFN size, V vocabulary, E routed experts, N expert width.
 Every op goes through ``ops`` (the backend's bound kernels); this file names no backend.
 """
 
@@ -12,8 +13,57 @@ from typing import Any
 import attrs
 import torch
 
-from zllm.plugin_api import AttentionMetadata, KVCacheSpec, KVLayerSpec, rope_cos_sin, rope_inv_freq
-from zllm_model_llama.spec import LlamaSpec
+from zllm.plugin_api import (
+    AttentionMetadata,
+    KVCacheSpec,
+    KVLayerSpec,
+    QuantizedTensor,
+    SharedExperts,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from zllm_model_llama.spec import LlamaSpec, MoeSpec
+
+
+@attrs.frozen
+class MoeLayer:
+    """The MoE FFN weights of one layer: router ``[E, C]``, expert stacks ``gate``/``up``
+    ``[E, N, C]`` and ``down`` ``[E, C, N]``, and the shared experts (Qwen2-MoE) or None."""
+
+    router: Any
+    gate: Any
+    up: Any
+    down: Any
+    shared: SharedExperts | None = None
+
+    @classmethod
+    def from_weights(cls, w: dict[str, Any], p: str, moe: MoeSpec, layout: str) -> MoeLayer:
+        """Stack the experts once, from the checkpoint's ``layout`` (see
+        ``zllm_model_llama.family.EXPERT_LAYOUTS``); a fused ``gate_up_proj`` is split into two
+        views, stacks are used as stored."""
+        gate, up, down = moe.expert_names
+        if layout == "per_expert":
+            stacks = [_stack([w[f"{p}experts.{e}.{name}.weight"] for e in range(moe.num_experts)])
+                      for name in (gate, up, down)]
+        elif layout == "fused":
+            gate_up = w[p + "experts.gate_up_proj"]  # [E, 2N, C]: gate rows, then up rows
+            n = moe.expert_size
+            stacks = [gate_up[:, :n], gate_up[:, n:], w[p + "experts.down_proj"]]
+        else:
+            stacks = [w[f"{p}experts.{name}.weight"] for name in (gate, up, down)]
+        shared = None
+        if moe.shared_size is not None:
+            shared = SharedExperts(w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
+                                   w[p + "shared_expert.down_proj.weight"], w[p + "shared_expert_gate.weight"])
+        return cls(w[p + "gate.weight"], *stacks, shared=shared)
+
+
+def _stack(experts: list[Any]) -> Any:
+    """``E`` weights ``[N, C]`` as one ``[E, N, C]`` stack (a quantized one over their blocks)."""
+    if isinstance(experts[0], QuantizedTensor):
+        return QuantizedTensor(torch.stack([x.data for x in experts]), experts[0].fmt,
+                               (len(experts), *experts[0].shape))
+    return torch.stack(experts)
 
 
 @attrs.frozen
@@ -26,9 +76,10 @@ class LlamaLayer:
     v: Any
     o: Any
     mlp_norm: Any
-    gate: Any
-    up: Any
-    down: Any
+    gate: Any = None
+    up: Any = None
+    down: Any = None
+    moe: MoeLayer | None = None
     q_bias: Any = None
     k_bias: Any = None
     v_bias: Any = None
@@ -40,20 +91,23 @@ class LlamaLayer:
     k_norm: Any = None
 
     @classmethod
-    def from_weights(cls, w: dict[str, Any], i: int) -> LlamaLayer:
+    def from_weights(cls, w: dict[str, Any], i: int, moe: MoeLayer | None = None) -> LlamaLayer:
         p = f"model.layers.{i}."
-        proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+        proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+        if moe is None:
+            proj |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
         fields = {k: w[p + n + ".weight"] for k, n in proj.items()}
         fields |= {k + "_bias": w.get(p + n + ".bias") for k, n in proj.items()}
         return cls(attn_norm=w[p + "input_layernorm.weight"], mlp_norm=w[p + "post_attention_layernorm.weight"],
-                   q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"), **fields)
+                   q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"),
+                   moe=moe, **fields)
 
 
 class LlamaModel:
     """A runnable llama model over bound kernels ``ops``."""
 
-    def __init__(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any):
+    def __init__(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str | None, ...] = ()):
+        """``expert_layouts[i]``: how layer ``i``'s experts are stored (None: a dense FFN)."""
         self.spec, self.ops = spec, ops
         self.vocab_size = spec.vocab_size
         self.context_length = spec.context_length
@@ -66,7 +120,13 @@ class LlamaModel:
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
-        self.layers = [LlamaLayer.from_weights(weights, i) for i in range(spec.num_layers)]
+        layouts = expert_layouts or (None,) * spec.num_layers
+        self.layers = [
+            LlamaLayer.from_weights(weights, i, None if layout is None or spec.moe is None else
+                                    MoeLayer.from_weights(weights, f"model.layers.{i}.{spec.moe.prefix}.", spec.moe,
+                                                          layout))
+            for i, layout in enumerate(layouts)
+        ]
         self.inv_freq, self.rope_attention_factor = rope_inv_freq(spec.head_dim, spec.rope)  # [D2], YaRN's mscale
         # cos/sin of every position seen so far, f32 [P, D2] each (see rope_cos_sin_rows).
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -140,5 +200,10 @@ class LlamaModel:
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
+        if layer.moe is not None:
+            assert self.spec.moe is not None
+            m = layer.moe
+            router_logits = ops.linear(x, m.router)  # [T, E], f32 (the choice is rounding-sensitive)
+            return ops.moe(x, router_logits, self.spec.moe.router, m.gate, m.up, m.down, None, m.shared)  # [T, C]
         hidden = ops.silu_mul(ops.linear(x, layer.gate, layer.gate_bias), ops.linear(x, layer.up, layer.up_bias))  # [T, F]
         return ops.linear(hidden, layer.down, layer.down_bias)  # [T, C]

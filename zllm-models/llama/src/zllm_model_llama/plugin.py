@@ -42,4 +42,22 @@ def zllm_model_families() -> list[FamilyInfo]:
             gguf_architectures={"qwen3": GGUF_ARCHITECTURES["qwen3"]},
             description="Qwen3: llama layers with per-head q/k RMSNorm, per-layer full or sliding attention",
         ),
+        FamilyInfo(
+            name="mixtral",
+            model_types=("mixtral",),
+            factory="zllm_model_llama.family:MixtralFamily",
+            description="Mixtral: Mistral layers with a top-k softmax Mixture-of-Experts FFN",
+        ),
+        FamilyInfo(
+            name="qwen2_moe",
+            model_types=("qwen2_moe",),
+            factory="zllm_model_llama.family:Qwen2MoeFamily",
+            description="Qwen2-MoE: Qwen2 layers with a MoE FFN and a sigmoid-gated shared expert",
+        ),
+        FamilyInfo(
+            name="qwen3_moe",
+            model_types=("qwen3_moe",),
+            factory="zllm_model_llama.family:Qwen3MoeFamily",
+            description="Qwen3-MoE: Qwen3 layers (q/k RMSNorm) with a MoE FFN",
+        ),
     ]

@@ -33,7 +33,14 @@ from typing import Any
 
 import attrs
 
-from zllm.plugin_api import CheckpointError, RopeParams, rope_params_from_config
+from zllm.plugin_api import (
+    CheckpointError,
+    RopeParams,
+    RouterConfig,
+    is_moe_layer,
+    rope_params_from_config,
+    router_config_from_hf,
+)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -44,6 +51,10 @@ class ArchRules:
 
     Bias fields are a config key (read, default False) or a constant.
     ``sliding``: ``none``, ``all`` (mistral) or ``layer_types`` (qwen2/qwen3).
+    ``moe``: ``none`` (dense FFN), ``mixtral`` (``block_sparse_moe``, experts ``w1/w3/w2``
+    of width ``intermediate_size``) or ``qwen`` (``mlp``, experts ``gate/up/down_proj`` of
+    width ``moe_intermediate_size``, dense layers of ``intermediate_size``).
+    ``shared_expert``: the MoE layers have Qwen2-MoE's gated shared expert.
     """
 
     model_type: str
@@ -53,12 +64,48 @@ class ArchRules:
     qk_norm: bool
     default_head_dim: int | None
     sliding: str
+    moe: str = "none"
+    shared_expert: bool = False
 
 
 LLAMA = ArchRules("llama", "attention_bias", "attention_bias", "mlp_bias", False, None, "none")
 MISTRAL = ArchRules("mistral", False, False, False, False, None, "all")
 QWEN2 = ArchRules("qwen2", True, False, False, False, None, "layer_types")
 QWEN3 = ArchRules("qwen3", "attention_bias", "attention_bias", False, True, 128, "layer_types")
+# The MoE types: the attention of their dense counterpart (transformers' MixtralAttention,
+# Qwen2MoeAttention, Qwen3MoeAttention are MistralAttention, Qwen2Attention with biases,
+# Qwen3Attention with q/k norms); only the FFN differs.
+MIXTRAL = ArchRules("mixtral", False, False, False, False, None, "all", moe="mixtral")
+QWEN2_MOE = ArchRules("qwen2_moe", True, False, False, False, None, "layer_types", moe="qwen", shared_expert=True)
+QWEN3_MOE = ArchRules("qwen3_moe", "attention_bias", "attention_bias", False, True, None, "layer_types", moe="qwen")
+
+
+@attrs.frozen
+class MoeSpec:
+    """The Mixture-of-Experts FFN of a llama-style model.
+
+    Attributes:
+        router: routing settings (:func:`zllm.plugin_api.router_config_from_hf`).
+        expert_size: width ``N`` of each routed expert.
+        moe_layers: per layer, whether its FFN is the MoE block (else a dense SwiGLU FFN of
+            ``intermediate_size``).
+        prefix: the FFN's module name in HF checkpoints (``block_sparse_moe`` or ``mlp``).
+        expert_names: HF names of an expert's gate, up and down projections.
+        shared_size: width of Qwen2-MoE's gated shared expert, or None.
+        source: the checkpoint, for errors found when the tensor layout is known.
+    """
+
+    router: RouterConfig
+    expert_size: int
+    moe_layers: tuple[bool, ...]
+    prefix: str
+    expert_names: tuple[str, str, str]
+    shared_size: int | None = None
+    source: str = attrs.field(default="", eq=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
 
 
 @attrs.frozen
@@ -86,6 +133,7 @@ class LlamaSpec:
     qk_norm: bool
     layer_windows: tuple[int | None, ...]
     rope_interleaved: bool = False
+    moe: MoeSpec | None = None
 
     @property
     def rope_variant(self) -> str:
@@ -174,6 +222,7 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
     interleaved = cfg.get("rope_interleaved", False)
     if not isinstance(interleaved, bool):
         raise CheckpointError(source, f"rope_interleaved {interleaved!r} is not true or false")
+    moe = _moe_spec(cfg, rules, num_layers, source, need, positive_int)
     return LlamaSpec(
         model_type=rules.model_type,
         vocab_size=need("vocab_size"),
@@ -193,4 +242,30 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
         qk_norm=rules.qk_norm,
         layer_windows=_layer_windows(cfg, rules, num_layers, context_length, source),
         rope_interleaved=interleaved,
+        moe=moe,
     )
+
+
+def _moe_spec(cfg: dict[str, Any], rules: ArchRules, num_layers: int, source: str, need: Any,
+              positive_int: Any) -> MoeSpec | None:
+    """The MoE part of the spec (None for a dense type); every key is read, none assumed
+    (``norm_topk_prob`` included: Qwen3-MoE's config class defaults it to False while
+    released checkpoints say True)."""
+    if rules.moe == "none":
+        return None
+    try:
+        router = router_config_from_hf({**cfg, "model_type": rules.model_type})
+        moe_layers = tuple(is_moe_layer({**cfg, "model_type": rules.model_type}, i) for i in range(num_layers))
+    except ValueError as e:
+        raise CheckpointError(source, str(e)) from None
+    mlp_only = cfg.get("mlp_only_layers") or []
+    outside = [i for i in mlp_only if not 0 <= i < num_layers]
+    if outside:
+        raise CheckpointError(source, f"mlp_only_layers {mlp_only} names layer {outside[0]}, but the model has "
+                                      f"{num_layers} layers (num_hidden_layers)")
+    if rules.moe == "mixtral":
+        return MoeSpec(router, need("intermediate_size"), moe_layers, "block_sparse_moe", ("w1", "w3", "w2"),
+                       source=source)
+    shared = need("shared_expert_intermediate_size") if rules.shared_expert else None
+    return MoeSpec(router, need("moe_intermediate_size"), moe_layers, "mlp", ("gate_proj", "up_proj", "down_proj"),
+                   shared, source=source)
