@@ -115,3 +115,15 @@ def test_align_block_size_buckets_every_pair_once_by_expert_with_per_block_paddi
         assert (ids.flatten()[chunk] == expert).all() and chunk.tolist() == sorted(chunk.tolist())
     blocks = torch.bincount(block_experts.long(), minlength=e)
     assert torch.equal(blocks, (counts + block_m - 1) // block_m)  # unchosen experts: no block
+
+
+def test_gate_up_and_down_stacks_may_each_have_their_own_format():
+    g = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(6, 64, generator=g), torch.randn(6, 4, generator=g)
+    gate = make_expert_stack(g, "q8_0", 4, 32, 64)
+    up = make_expert_stack(g, "f16", 4, 32, 64)
+    down = make_expert_stack(g, "bf16", 4, 64, 32)
+    shared = SharedExperts(make_expert_stack(g, "f16", 1, 32, 64)[0], make_expert_stack(g, "q8_0", 1, 32, 64)[0],
+                           make_expert_stack(g, "q8_0", 1, 64, 32)[0])
+    args = (x, logits, RouterConfig(4, 2), gate, up, down, None, shared)
+    torch.testing.assert_close(moe(*args, tuning=moe_tuning(4)), ref_moe(*args), atol=1e-4, rtol=1e-4)

@@ -27,7 +27,9 @@ belongs to one expert), the way llama.cpp's ``mul_mat_id`` buckets rows per expe
 Weights are read in their stored format inside the GEMMs (DESIGN principle 7): f32, f16 or
 bf16 stacks ``[E, N, K]``, or Q8_0 stacks whose uint8 ``[E, N, K / 32 * 34]`` blocks are
 decoded per tile (:func:`~zllm_kernels_triton.weight_tile.load_weight_tile`). Activations and
-accumulation are f32; ``tl.dot`` uses :attr:`Tuning.dot_precision`.
+accumulation are f32; ``tl.dot`` uses :attr:`Tuning.dot_precision`. Each of the three stacks
+(and each shared-expert weight) may be in its own format; another block format (Q4_K ...) is
+rejected with an AssertionError naming the weight and its format.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _grouped_gemm_kernel(
     a_ptr, w1_ptr, w2_ptr, out_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
     num_pairs, N, K, a_div,
     stride_am, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_om,
-    GATED: tl.constexpr, Q8: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr, Q8_W1: tl.constexpr, Q8_W2: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P = padding
@@ -66,10 +68,10 @@ def _grouped_gemm_kernel(
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=pair_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         w_mask = col_mask[:, None] & k_mask[None, :]
-        w1 = load_weight_tile(w1_rows, ks[None, :], w_mask, Q8)  # [BN, BK]
+        w1 = load_weight_tile(w1_rows, ks[None, :], w_mask, Q8_W1)  # [BN, BK]
         acc1 += tl.dot(a, tl.trans(w1), input_precision=PRECISION)
         if GATED:
-            w2 = load_weight_tile(w2_rows, ks[None, :], w_mask, Q8)
+            w2 = load_weight_tile(w2_rows, ks[None, :], w_mask, Q8_W2)
             acc2 += tl.dot(a, tl.trans(w2), input_precision=PRECISION)
     if GATED:
         acc1 = acc1 * tl.sigmoid(acc1) * acc2  # silu(gate) * up
@@ -122,8 +124,8 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     Args:
         x: f32 ``[T, K]``, row-strided views allowed.
         topk_ids: int64 ``[T, k]``; topk_weights: f32 ``[T, k]``.
-        gate_exps, up_exps: ``[E, N, K]``, both f32/f16/bf16 or both Q8_0.
-        down_exps: ``[E, K, N]``, f32/f16/bf16 or Q8_0.
+        gate_exps, up_exps: ``[E, N, K]``; down_exps: ``[E, K, N]`` — each f32/f16/bf16 or
+            Q8_0, independently (GGUF files may store them in different types).
         tuning: launch parameters (``moe_*``).
 
     Returns:
@@ -138,7 +140,6 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     gate, gate_q8 = _expert_stack(gate_exps, "gate_exps")
     up, up_q8 = _expert_stack(up_exps, "up_exps")
     down, down_q8 = _expert_stack(down_exps, "down_exps")
-    assert gate_q8 == up_q8, "gate_exps and up_exps must share one format (the gate/up GEMM reads both)"
     assert gate.device == up.device == down.device == x.device == topk_ids.device, (gate.device, x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     top_k = topk_ids.shape[1]
@@ -155,14 +156,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         x, gate, up, h, pairs, block_experts, weights,
         n_pairs, width, hidden, top_k,
         x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), h.stride(0),
-        GATED=True, Q8=gate_q8, MUL_WEIGHT=False, **common,
+        GATED=True, Q8_W1=gate_q8, Q8_W2=up_q8, MUL_WEIGHT=False, **common,
     )
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)  # [P, K]
     _grouped_gemm_kernel[(block_experts.numel(), triton.cdiv(hidden, tuning.moe_block_n))](
         h, down, down, y, pairs, block_experts, weights,
         n_pairs, hidden, width, 1,
         h.stride(0), down.stride(0), down.stride(1), down.stride(0), down.stride(1), y.stride(0),
-        GATED=False, Q8=down_q8, MUL_WEIGHT=True, **common,
+        GATED=False, Q8_W1=down_q8, Q8_W2=down_q8, MUL_WEIGHT=True, **common,
     )
     return y.view(t, top_k, hidden).sum(dim=1)  # [T, K]
 
