@@ -8,7 +8,8 @@
 #    triton and the core's other dependencies must already be importable, e.g. from
 #    wheels installed with --target into a folder on PYTHONPATH);
 # 2. runs the conformance kit: zllm conformance --backend cuda --report OUT/conformance
-#    (every registered kernel against the f32 references, then small models end to end);
+#    (every registered kernel against the f32 references — the fused MoE kernel moe[f32/f16/
+#    bf16/q8_0] and MLA decode mla_attention[paged] included — then small models end to end);
 # 3. runs bench/gpu_decode.py: decode tokens/s of a random ~1B Llama in bf16 at batch 1 and
 #    32, and the share of the measured copy bandwidth each decode step reaches.
 #
@@ -20,7 +21,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(mkdir -p "${1:-$REPO/bench/out/gpu}" && cd "${1:-$REPO/bench/out/gpu}" && pwd)"
 PYTHON="${PYTHON:-python3}"
-DISTS=(zllm-core zllm-models/llama zllm-kernels-triton zllm-kernels-torch zllm-backend-cuda)
+DISTS=(zllm-core zllm-models/llama zllm-models/deepseek zllm-kernels-triton zllm-kernels-torch zllm-backend-cuda)
 cd "$REPO" || exit 1
 
 status=0

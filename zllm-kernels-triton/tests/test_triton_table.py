@@ -11,10 +11,13 @@ import pytest
 import torch
 from triton_cases import build, random_q8_0
 
+from zllm.conformance.cases import cases_for
 from zllm.domain.activation import silu_mul as ref_silu_mul
 from zllm.domain.attention import attention as ref_attention
 from zllm.domain.attention import sliding_window_attention as ref_sliding
 from zllm.domain.linear import linear as ref_linear
+from zllm.domain.mla import mla_paged_attention as ref_mla
+from zllm.domain.moe import moe as ref_moe
 from zllm.domain.norm import add_rms_norm as ref_add_rms_norm
 from zllm.domain.norm import rms_norm as ref_rms_norm
 from zllm.domain.rope import apply_rope, apply_rope_gptj
@@ -24,6 +27,7 @@ from zllm_kernels_triton import OPS, Tuning, kernel_table
 EXPECTED = {
     ("rms_norm", "f32"), ("add_rms_norm", "f32"), ("rope", "neox"), ("rope", "gptj"), ("silu_mul", "f32"),
     ("attention", "paged"), ("attention_sliding", "paged"), ("linear", "q8_0"),
+    ("moe", "f32"), ("moe", "f16"), ("moe", "bf16"), ("moe", "q8_0"), ("mla_attention", "paged"),
 }
 
 
@@ -39,6 +43,10 @@ def op_inputs(op: str, variant: str, g: torch.Generator):
         return (heads, cos, sin), (apply_rope if variant == "neox" else apply_rope_gptj)(heads, cos, sin)
     if op == "silu_mul":
         return (x, residual), ref_silu_mul(x, residual)
+    if op in ("moe", "mla_attention"):
+        case = cases_for(op, variant, seed=0, quick=True)[0]
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
+        return case.args, (ref_moe if op == "moe" else ref_mla)(*args)
     if op == "linear":
         q8 = random_q8_0(5, 64, g)
         xq = torch.randn(3, 64, generator=g)

@@ -21,7 +21,16 @@ decode attention   64 keys      4            2       KV streaming; 4 blocks of 1
 prefill attention  64 x 64      4            2       64 queries x 64 keys per step
 linear q8_0        16 x 64 x    4            3       decode is GEMV-like (T <= 16 rows); four
                    128                               Q8_0 blocks per K step
+fused moe          16 pairs x   4            3       a decode step pads each selected expert's
+                   64 x 128                          pairs to 16 (the smallest MMA M); weights
+                                                     streamed 64 rows x 128 in-features a step
+mla decode         16 heads x   4            2       one latent row (R + Dr, 576 in DeepSeek)
+                   32 rows                           read once per 16 heads; 32 rows keep the
+                                                     [32, R] tile within registers
 =================  ===========  ===========  ======  ==========================================
+
+The fused MoE and MLA decode tiles follow vLLM's defaults for those kernels and were not
+measured on a device yet.
 """
 
 from zllm_kernels_triton import Tuning
@@ -33,4 +42,6 @@ CUDA_TUNING = Tuning(
     decode_block_n=64, decode_num_warps=4, decode_num_stages=2,
     prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4, prefill_num_stages=2,
     linear_block_m=16, linear_block_n=64, linear_block_k=128, linear_num_warps=4, linear_num_stages=3,
+    moe_block_m=16, moe_block_n=64, moe_block_k=128, moe_num_warps=4, moe_num_stages=3,
+    mla_block_h=16, mla_block_n=32, mla_num_warps=4, mla_num_stages=2,
 )

@@ -9,7 +9,9 @@ smallest MFMA M: a decode step has one token per sequence. RMSNorm runs 4 wavefr
 row (256 lanes on CDNA, 16 features each at 4096) where CUDA runs 8 warps of 32; the other
 kernels keep 4. ``num_stages = 2`` is what AMD recommends for its stream pipeliner (one
 tile prefetched); more stages only add LDS pressure. ``dot_precision`` is ``ieee``:
-tf32-like modes exist on CDNA3 only.
+tf32-like modes exist on CDNA3 only. The fused MoE GEMMs take 16 pairs (the smallest MFMA M)
+x 64 columns x 64 in-features; MLA decode reads 32 latent rows per step for 16 heads (a
+``[32, R + Dr]`` tile, 576 wide in DeepSeek, is what fits the register file at 4 wavefronts).
 
 Chosen from the AMD Triton guidance (ROCm docs, "Optimizing Triton kernels"); not measured
 on a device yet.
@@ -20,4 +22,6 @@ from zllm_kernels_triton import Tuning
 _LANE_TILE = 64  # one CDNA wavefront, two RDNA ones
 ROCM_TUNING = Tuning(name="rocm", dot_precision="ieee", norm_num_warps=4, rope_block_pairs=_LANE_TILE,
                      decode_block_n=_LANE_TILE, prefill_block_m=_LANE_TILE, prefill_block_n=_LANE_TILE,
-                     linear_block_n=_LANE_TILE, linear_block_k=_LANE_TILE, linear_num_stages=2)
+                     linear_block_n=_LANE_TILE, linear_block_k=_LANE_TILE, linear_num_stages=2,
+                     moe_block_m=16, moe_block_n=_LANE_TILE, moe_block_k=_LANE_TILE, moe_num_stages=2,
+                     mla_block_h=16, mla_block_n=32, mla_num_stages=2)

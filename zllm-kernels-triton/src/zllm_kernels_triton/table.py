@@ -22,6 +22,8 @@ OPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention", ("paged",), "attention:attention"),
     ("attention_sliding", ("paged",), "attention:attention_sliding"),
     ("linear", ("q8_0",), "quant_matmul:linear_q8_0"),
+    ("moe", ("f32", "f16", "bf16", "q8_0"), "moe:moe"),
+    ("mla_attention", ("paged",), "mla:mla_attention"),
 )
 
 

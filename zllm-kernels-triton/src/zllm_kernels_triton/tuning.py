@@ -10,8 +10,8 @@ dim, at least :attr:`Tuning.dot_min`.
 ``tl.arange`` needs power-of-two lengths and Triton power-of-two warp counts, so every
 ``block_*`` and ``num_warps`` field must be one. On a GPU, ``tl.dot`` operands need every
 tile side >= 16: keep ``dot_min``, ``prefill_block_m``, ``prefill_block_n``,
-``decode_block_n``, ``linear_block_m``, ``linear_block_n`` and ``linear_block_k`` >= 16
-there (the interpreter has no such limit).
+``decode_block_n``, ``linear_block_m``, ``linear_block_n``, ``linear_block_k``, the
+``moe_block_*`` and ``mla_block_*`` fields >= 16 there (the interpreter has no such limit).
 """
 
 from __future__ import annotations
@@ -93,7 +93,17 @@ class Tuning:
             of ``T`` (at least ``dot_min``), so a decode step does not pad to 64 rows.
         linear_block_k: in-features per step of the Q8_0 matmul, a multiple of 32 (whole
             Q8_0 blocks).
-        linear_num_warps, linear_num_stages: Q8_0 matmul launch settings.
+        linear_num_warps, linear_num_stages: Q8_0 matmul launch settings; the per-head
+            projections of MLA (``q_nope · W_UK``, the latent sum through ``W_UV``) use the
+            same tiles.
+        moe_block_m: (token, expert) pairs per block of the fused MoE GEMMs; each expert's
+            pairs are padded to a multiple of it, so a decode step pads to it per expert.
+        moe_block_n, moe_block_k: output columns and in-features per step of the fused MoE
+            GEMMs; ``moe_block_k`` is a multiple of 32 (whole Q8_0 blocks).
+        moe_num_warps, moe_num_stages: fused MoE GEMM launch settings.
+        mla_block_h: query heads per MLA decode program (heads share every latent row read).
+        mla_block_n: cached latent rows per step of MLA decode (may span cache blocks).
+        mla_num_warps, mla_num_stages: MLA decode launch settings.
     """
 
     name: str = "default"
@@ -120,3 +130,12 @@ class Tuning:
     linear_block_k: int = attrs.field(default=128, validator=_q8_0_block_multiple)
     linear_num_warps: int = _block(4)
     linear_num_stages: int = _count(2)
+    moe_block_m: int = _block(16)
+    moe_block_n: int = _block(64)
+    moe_block_k: int = attrs.field(default=64, validator=_q8_0_block_multiple)
+    moe_num_warps: int = _block(4)
+    moe_num_stages: int = _count(2)
+    mla_block_h: int = _block(16)
+    mla_block_n: int = _block(32)
+    mla_num_warps: int = _block(4)
+    mla_num_stages: int = _count(2)
