@@ -36,7 +36,11 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt $(foreach d,$(
 run: $(VENV)/.installed
 	$(BIN)/zllm run --config $(CONFIG)
 
+# Lint and type-check first (ruff and mypy, configured in the root pyproject.toml), as vLLM and
+# pluggy do; then the suite, then the compatibility evidence it produced.
 test: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest --junitxml=$(VENV)/junit.xml $(PYTEST_ARGS)
 	$(BIN)/python tools/check_verified.py $(VENV)/junit.xml compat/verified.toml
 

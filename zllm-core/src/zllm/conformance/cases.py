@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import gguf
@@ -107,7 +108,7 @@ def _fused_split(g: torch.Generator, t: int, widths: tuple[int, ...], *rest: int
     """Views into one fused f32 ``[t, sum(widths), *rest]`` tensor, split along dim 1 (as
     ``torch.split`` of a fused projection): non-contiguous whenever there are several parts."""
     fused = _randn(g, t, sum(widths), *rest)
-    return list(torch.split(fused, widths, dim=1))
+    return list(torch.split(fused, list(widths), dim=1))
 
 
 K_QUANT_F16_OFFSETS = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
@@ -451,7 +452,7 @@ def attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]
     f32, f16 and bf16 caches."""
     _only(variant, "attention", ("paged",))
     op = "attention"
-    specs = [
+    specs: list[dict[str, Any]] = [
         dict(h=4, hkv=4, d=16, bs=16, seqs=[_Seq(37, 37)]),
         dict(h=8, hkv=2, d=64, bs=16, seqs=[_Seq(5, 35)], fused=True),
         dict(h=8, hkv=1, d=32, bs=16, seqs=[_Seq(1, 16), _Seq(1, 17), _Seq(1, 1), _Seq(1, 40)]),
@@ -474,7 +475,7 @@ def attention_sliding_cases(variant: str, g: torch.Generator, quick: bool) -> li
     bf16 caches."""
     _only(variant, "attention_sliding", ("paged",))
     op = "attention_sliding"
-    specs = [
+    specs: list[dict[str, Any]] = [
         dict(h=4, hkv=2, d=16, bs=16, window=16, seqs=[_Seq(40, 40)]),
         dict(h=8, hkv=1, d=32, bs=16, window=7, seqs=[_Seq(1, 50), _Seq(1, 17)]),
         dict(h=4, hkv=4, d=8, bs=4, window=6, seqs=[_Seq(5, 29), _Seq(1, 30), _Seq(12, 12)], fused=True),
@@ -547,7 +548,7 @@ def _sample_rows(g: torch.Generator, vocab: int, n_rows: int, seed: int) -> list
     ]
     rows = []
     for i in range(n_rows):
-        s = dict(settings[i % len(settings)])
+        s: dict[str, Any] = dict(settings[i % len(settings)])
         penalised = s.pop("penalised", False)
         rows.append(SampleRowSpec(**s, prompt_token_ids=prompt if penalised else empty,
                                   output_token_ids=output if penalised else empty, seed=seed * 1000 + i))

@@ -158,7 +158,7 @@ EXPERT_LAYOUTS = ("per_expert", "fused", "stacked")
 def _layout_shapes(moe: MoeSpec, hidden: int) -> dict[str, dict[str, tuple[int, ...]]]:
     e, n = moe.num_experts, moe.expert_size
     gate, up, down = moe.expert_names
-    per_expert = {}
+    per_expert: dict[str, tuple[int, ...]] = {}
     for i in range(e):
         per_expert |= {f"experts.{i}.{gate}.weight": (n, hidden), f"experts.{i}.{up}.weight": (n, hidden),
                        f"experts.{i}.{down}.weight": (hidden, n)}

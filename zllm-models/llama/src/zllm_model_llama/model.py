@@ -55,7 +55,8 @@ class MoeLayer:
         if moe.shared_size is not None:
             shared = SharedExperts(w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
                                    w[p + "shared_expert.down_proj.weight"], w[p + "shared_expert_gate.weight"])
-        return cls(w[p + "gate.weight"], *stacks, shared=shared)
+        gate_exps, up_exps, down_exps = stacks
+        return cls(w[p + "gate.weight"], gate_exps, up_exps, down_exps, shared=shared)
 
 
 def _stack(experts: list[Any]) -> Any:
@@ -168,7 +169,8 @@ class LlamaModel:
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # the spec guarantees >= 1 layer
-        for i, (layer, window, kv_cache) in enumerate(zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)):
+        layers = zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)
+        for i, (layer, window, kv_cache) in enumerate(layers):
             attn = self.attention(layer, x, cos, sin, meta, kv_cache, window)  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
             mlp = self.mlp(layer, x)  # [T, C]
@@ -205,5 +207,6 @@ class LlamaModel:
             m = layer.moe
             router_logits = ops.linear(x, m.router)  # [T, E], f32 (the choice is rounding-sensitive)
             return ops.moe(x, router_logits, self.spec.moe.router, m.gate, m.up, m.down, None, m.shared)  # [T, C]
-        hidden = ops.silu_mul(ops.linear(x, layer.gate, layer.gate_bias), ops.linear(x, layer.up, layer.up_bias))  # [T, F]
+        gate = ops.linear(x, layer.gate, layer.gate_bias)  # [T, F]
+        hidden = ops.silu_mul(gate, ops.linear(x, layer.up, layer.up_bias))  # [T, F]
         return ops.linear(hidden, layer.down, layer.down_bias)  # [T, C]

@@ -153,7 +153,8 @@ def _flag(cfg: dict[str, Any], rule: str | bool) -> bool:
     return rule if isinstance(rule, bool) else bool(cfg.get(rule, False))
 
 
-def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, context_length: int, source: str) -> tuple[int | None, ...]:
+def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, context_length: int,
+                   source: str) -> tuple[int | None, ...]:
     if rules.sliding == "none":
         return (None,) * num_layers
     if rules.sliding == "all":
@@ -162,14 +163,16 @@ def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, conte
     else:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
         types = cfg.get("layer_types") or [
-            SLIDING if window is not None and i >= int(cfg.get("max_window_layers", 28)) else FULL for i in range(num_layers)
+            SLIDING if window is not None and i >= int(cfg.get("max_window_layers", 28)) else FULL
+            for i in range(num_layers)
         ]
         if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
             raise CheckpointError(
                 source, f"layer_types {types} is not supported: need {num_layers} entries, each {FULL!r} or {SLIDING!r}"
             )
         if SLIDING in types and window is None:
-            raise CheckpointError(source, "layer_types has 'sliding_attention' but no window (use_sliding_window false or sliding_window unset)")
+            raise CheckpointError(source, "layer_types has 'sliding_attention' but no window "
+                                          "(use_sliding_window false or sliding_window unset)")
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise CheckpointError(source, f"sliding_window {window!r} is not a positive integer")
     # A window covering the whole context window masks nothing: that layer is full attention.
@@ -198,13 +201,16 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
 
     model_type = cfg.get("model_type", rules.model_type)
     if model_type != rules.model_type:
-        raise CheckpointError(source, f"model_type {model_type!r} is not {rules.model_type!r}, the type this family parses")
+        raise CheckpointError(source,
+                              f"model_type {model_type!r} is not {rules.model_type!r}, the type this family parses")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(source, f"hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)")
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv_heads = heads if cfg.get("num_key_value_heads") is None else positive_int("num_key_value_heads", cfg["num_key_value_heads"])
+    raw_kv_heads = cfg.get("num_key_value_heads")
+    kv_heads = heads if raw_kv_heads is None else positive_int("num_key_value_heads", raw_kv_heads)
     if heads % kv_heads:
-        raise CheckpointError(source, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        raise CheckpointError(source,
+                              f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = positive_int("head_dim", cfg.get("head_dim") or rules.default_head_dim or hidden // heads)
     if head_dim % 2:
         raise CheckpointError(source, f"head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
@@ -218,7 +224,8 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
     except (ValueError, TypeError) as e:
         raise CheckpointError(source, str(e)) from None
     if rope.freq_factors is not None and len(rope.freq_factors) != head_dim // 2:
-        raise CheckpointError(source, f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim} (need {head_dim // 2})")
+        raise CheckpointError(source, f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim} "
+                                      f"(need {head_dim // 2})")
     interleaved = cfg.get("rope_interleaved", False)
     if not isinstance(interleaved, bool):
         raise CheckpointError(source, f"rope_interleaved {interleaved!r} is not true or false")
