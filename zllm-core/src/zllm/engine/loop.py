@@ -274,9 +274,9 @@ class EngineLoop:
             self._live[seq.seq_id] = handle
             handle.accepted.set_result(None)
         elif isinstance(command, _Abort):
-            seq = command.handle.seq
-            if seq is not None and self._live.pop(seq.seq_id, None) is not None:
-                self.llm.abort(seq)
+            aborted = command.handle.seq
+            if aborted is not None and self._live.pop(aborted.seq_id, None) is not None:
+                self.llm.abort(aborted)
             if command.done is not None:
                 command.done.set_result(None)
         else:
