@@ -14,6 +14,7 @@ import pytest
 
 import zllm
 from tests.conftest import MODEL_DIR, write_config
+from tests.step_gate import StepGate
 from zllm.spec.errors import KernelNotFound, RequestError
 
 LONG_PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her "
@@ -86,16 +87,17 @@ def test_sixteen_simultaneous_streams_each_equal_the_request_run_alone(invariant
 def test_a_long_prompt_is_prefilled_in_chunks_interleaved_with_running_decodes(tmp_path):
     eng = _engine(tmp_path, batch_invariant=True, max_prefill_tokens=16, max_batch_tokens=20, prefix_cache_seqs=0)
     st = eng.llm.scheduler.stats
-    short = [eng.generate_stream({"prompt": p, "max_tokens": 60, "ignore_eos": True}) for p in ("The cat", "One day")]
-    got = [[], []]
-    for i, s in enumerate(short):  # both running and decoding
-        got[i] += next(s)["token_ids"]
-    mixed_before, steps_before = st.mixed_steps, st.steps
-    long_req = {"prompt": LONG_PROMPT, "max_tokens": 5}
-    n_prompt = len(eng.tokenizer.encode(LONG_PROMPT)) + 1
-    long_stream = eng.generate_stream(long_req)
+    with StepGate(eng) as gate:  # the long prompt arrives while both short streams decode
+        short = [eng.generate_stream({"prompt": p, "max_tokens": 60, "ignore_eos": True})
+                 for p in ("The cat", "One day")]
+        gate.steps(2)  # one prefill each
+        got = [next(s)["token_ids"] for s in short]
+        mixed_before, steps_before = st.mixed_steps, st.steps
+        long_req = {"prompt": LONG_PROMPT, "max_tokens": 5}
+        n_prompt = len(eng.tokenizer.encode(LONG_PROMPT)) + 1
+        long_stream = eng.generate_stream(long_req)
     long_tokens = []
-    for event in long_stream:  # stepping it also advances the two short streams
+    for event in long_stream:  # its steps also advance the two short streams
         long_tokens += event.get("token_ids", [])
     chunks = -(-n_prompt // (20 - 2))  # 2 decodes leave 18 of the 20-token budget for the chunk
     assert st.mixed_steps - mixed_before >= chunks - 1

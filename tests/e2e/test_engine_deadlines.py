@@ -2,7 +2,8 @@
 request whose deadline passed is dropped by the scheduler within one step — from the queue,
 never prefilled, if it was still waiting for admission; aborted with its KV blocks freed if
 it was running — and its stream raises DeadlineExceeded. Deadlines already in the past make
-every case deterministic (no wall-clock waits)."""
+every case deterministic (no wall-clock waits), and a StepGate paces the engine loop so a
+request is queued or running exactly when the test says."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 import zllm
 from tests.conftest import MODEL_DIR, write_config
+from tests.step_gate import StepGate
 from zllm.spec.errors import DeadlineExceeded
 
 A = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -35,14 +37,17 @@ def test_a_queued_request_past_its_deadline_leaves_the_queue_unprefilled(engine)
     sched = engine.llm.scheduler
     alone = engine.generate(A)["token_ids"]
     before = (sched.stats.prefill_tokens, sched.stats.expired_waiting)
-    a = engine.generate_stream(A)
-    first = [next(a)]  # A is admitted and prefilled; it holds the only running slot
-    b = engine.generate_stream(B, deadline=time.monotonic() - 1.0)
-    assert [s.request.prompt for s in sched.waiting] == [B["prompt"]]
-    first.append(next(a))  # the next step drops B before scheduling anything
-    assert not sched.waiting
-    with pytest.raises(DeadlineExceeded, match="while queued for admission") as info:
-        next(b)
+    with StepGate(engine) as gate:
+        a = engine.generate_stream(A)
+        gate.steps(1)
+        first = [next(a)]  # A is admitted and prefilled; it holds the only running slot
+        b = engine.generate_stream(B, deadline=time.monotonic() - 1.0)
+        assert [s.request.prompt for s in sched.waiting] == [B["prompt"]]
+        gate.steps(1)
+        first.append(next(a))  # that step dropped B before scheduling anything
+        assert not sched.waiting
+        with pytest.raises(DeadlineExceeded, match="while queued for admission") as info:
+            next(b)
     assert info.value.queued and info.value.output_tokens == 0
     assert sched.stats.expired_waiting == before[1] + 1
     a_prompt = len(engine.tokenizer.encode(A["prompt"], add_special_tokens=engine.tokenizer.add_bos))
@@ -54,16 +59,19 @@ def test_a_queued_request_past_its_deadline_leaves_the_queue_unprefilled(engine)
 def test_drain_ends_a_running_request_and_frees_its_kv_blocks(engine):
     kv = engine.llm.scheduler.kv
     sched = engine.llm.scheduler
-    a = engine.generate_stream({**A, "max_tokens": 64})
-    got = _tokens([next(a), next(a), next(a)])
-    assert kv.num_free_blocks < kv.num_blocks
-    running_before = sched.stats.expired_running
-    engine.drain(time.monotonic())
-    try:
-        with pytest.raises(DeadlineExceeded, match=f"after generating {len(got)} tokens") as info:
-            list(a)
-    finally:
-        sched.drain_deadline = None  # the module's engine serves the other tests
+    with StepGate(engine) as gate:
+        a = engine.generate_stream({**A, "max_tokens": 64})
+        gate.steps(3)
+        got = _tokens([next(a), next(a), next(a)])
+        assert kv.num_free_blocks < kv.num_blocks
+        running_before = sched.stats.expired_running
+        engine.drain(time.monotonic())
+        try:
+            gate.steps(1)
+            with pytest.raises(DeadlineExceeded, match=f"after generating {len(got)} tokens") as info:
+                list(a)
+        finally:
+            sched.drain_deadline = None  # the module's engine serves the other tests
     assert not info.value.queued
     assert sched.stats.expired_running == running_before + 1
     assert not sched.running and kv.num_free_blocks == kv.num_blocks

@@ -5,7 +5,7 @@ Importing ``zllm`` imports no device runtime and no plugin; ``Engine`` is loaded
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "__version__"]
+__all__ = ["Engine", "EngineClosedError", "EngineLoopError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,4 +13,8 @@ def __getattr__(name: str):
         from zllm.engine.engine import Engine
 
         return Engine
+    if name in ("EngineClosedError", "EngineLoopError"):
+        from zllm.engine import loop
+
+        return getattr(loop, name)
     raise AttributeError(f"module 'zllm' has no attribute {name!r}")

@@ -1,22 +1,25 @@
 """``zllm.Engine``: the in-process API with the same request/response JSON as the server.
 
-Thread safety: one lock serialises steps, so several threads (e.g. server handlers) may
-each drive ``generate``/``generate_stream``; whichever thread steps delivers every
-sequence's outputs to its owner's queue.
+One engine-loop thread (:mod:`zllm.engine.loop`) owns the runtime and steps it; ``Engine``
+validates and tokenizes a request in the caller's thread, submits it to the loop and turns
+its step outputs into Request JSON events. So any number of threads (``generate``,
+``generate_stream``) and asyncio tasks (``agenerate_stream``, the HTTP server) may use one
+engine at once, and their requests share every step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 from zllm.domain.family import model_kv_spec
 from zllm.engine.chat_output import ChatAnswer, output_parser
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
+from zllm.engine.loop import EngineLoop, RequestHandle
 from zllm.engine.tool_parsers import resolve_format
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
@@ -68,8 +71,12 @@ class Engine:
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
             device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
         )
-        self._lock = threading.Lock()
-        self._queues: dict[int, deque[StepOutput]] = {}
+        self.loop = EngineLoop(self.llm)
+        """The thread that owns ``llm`` and steps it (:class:`zllm.engine.loop.EngineLoop`);
+        read runtime state through ``loop.call`` while requests run."""
+        # Stops the loop thread when the engine is closed, collected or the interpreter exits;
+        # it holds the loop, never the engine, so an unclosed engine is still collected.
+        self._finalizer = weakref.finalize(self, self.loop.close)
         self.tool_format = resolve_format(cfg.server.tool_parser, loaded.tokenizer.chat_template)
         """The chat format tool calls are read in (``server.tool_parser``), or None."""
 
@@ -135,96 +142,200 @@ class Engine:
         add = self.tokenizer.add_bos if req.add_bos is None else req.add_bos
         return self.tokenizer.encode(req.prompt, add_special_tokens=add)
 
-    def submit(self, request: dict[str, Any] | GenerationRequest, *, deadline: float | None = None) -> Sequence:
-        """Validate, tokenize and queue a request; return its sequence handle.
+    def submit(self, request: dict[str, Any] | GenerationRequest, *, deadline: float | None = None) -> RequestHandle:
+        """Validate and tokenize a request (in the calling thread), queue it on the engine loop and
+        wait until the loop accepted it; read its outputs with ``handle.get()``.
 
         ``deadline``: a :func:`time.monotonic` time after which the runtime drops the request,
         queued or running, within one step (its outputs then raise :class:`DeadlineExceeded`).
+
+        Raises:
+            RequestError: the request is invalid or its prompt does not fit (context window,
+                vocabulary, the whole KV pool).
+            EngineLoopError: the engine failed or was closed.
         """
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
-        ids = self.prompt_ids(req)
-        with self._lock:
-            seq = self.llm.add_request(req, ids, req.max_tokens)
-            seq.deadline = deadline
-            self._queues[seq.seq_id] = deque()
-        return seq
+        handle = self.loop.submit(req, self.prompt_ids(req), deadline)
+        handle.accepted.result()
+        return handle
 
     def drain(self, deadline: float) -> None:
         """Bound every request's deadline, queued, running or submitted later, by ``deadline``
         (:func:`time.monotonic` seconds): a server shutting down ends what is left then.
-        Callable from any thread without the engine lock (one attribute store)."""
+        Callable from any thread (one attribute store the loop reads before each step)."""
         self.llm.scheduler.drain_deadline = deadline
 
-    def _outputs(self, seq: Sequence) -> Iterator[StepOutput]:
-        """This sequence's step outputs, stepping the engine as needed."""
-        queue = self._queues[seq.seq_id]
+    def close(self) -> None:
+        """Stop the engine loop: requests still live end with :class:`EngineClosedError`, the
+        loop thread is joined, and later calls raise :class:`EngineClosedError`. Idempotent;
+        also run when the engine is garbage-collected or the interpreter exits."""
+        self._finalizer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _outputs(self, handle: RequestHandle) -> Iterator[StepOutput]:
+        """The request's step outputs, its finished one last; closing the iterator before
+        then aborts the request and waits until its KV blocks are free."""
         try:
             while True:
-                while queue:
-                    out = queue.popleft()
-                    if seq.finish_reason in (EXPIRED_WAITING, EXPIRED_RUNNING):
-                        raise DeadlineExceeded(queued=seq.finish_reason == EXPIRED_WAITING,
-                                               output_tokens=len(seq.output_ids))
-                    yield out
-                    if out.finished:
-                        return
-                with self._lock:
-                    if not queue:
-                        for out in self.llm.step():
-                            self._queues[out.seq.seq_id].append(out)
+                out = handle.get()
+                _check_expired(out)
+                yield out
+                if out.finished:
+                    return
         finally:
-            with self._lock:
-                if seq.finish_reason is None:
-                    self.llm.abort(seq)
-                self._queues.pop(seq.seq_id, None)
+            handle.abort(wait=True)
 
     def prompt_logits(self, prompt_ids: list[int]):
-        """f32 ``[P, V]`` logits at every position of ``prompt_ids`` (for scoring and parity tests)."""
-        with self._lock:
-            return self.llm.prompt_logits(list(prompt_ids))
+        """f32 ``[P, V]`` logits at every position of ``prompt_ids`` (for scoring and parity
+        tests), computed on the engine loop between two steps."""
+        ids = list(prompt_ids)
+        return self.loop.call(lambda llm: llm.prompt_logits(ids))
 
     def generate_stream(self, request: dict[str, Any] | GenerationRequest, *,
-                        deadline: float | None = None) -> Iterator[dict[str, Any]]:
+                        deadline: float | None = None) -> EventStream:
         """Stream events: one per step that produced output (``text`` delta and
         ``token_ids``), then a final event with ``finish_reason`` and ``usage``.
-        Closing the iterator early aborts the request and frees its KV cache.
+        Closing the iterator early aborts the request and returns once its KV blocks are free.
         A chat request's deltas carry its answer parsed (``content``, ``reasoning_content``,
         ``tool_calls`` pieces) and the final event the whole of it; a last delta without
         tokens may carry what the parser held back.
 
         Raises:
+            RequestError: at the call, for a request the engine rejects.
             DeadlineExceeded: from the iterator, once ``deadline`` (see :meth:`submit`) passed.
+            EngineLoopError: from the iterator, when the engine failed or was closed.
         """
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
         answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
-        seq = self.submit(req, deadline=deadline)
-        return self._stream_events(seq, answer)
+        handle = self.submit(req, deadline=deadline)
+        return EventStream(handle, self._stream_events(handle, answer))
 
-    def _stream_events(self, seq: Sequence, answer: ChatAnswer) -> Iterator[dict[str, Any]]:
-        for out in self._outputs(seq):
-            if out.text or out.token_ids:
-                yield make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text))
-        last = answer.delta("", final=True)
-        if last["content"] or last["reasoning_content"] or last["tool_calls"]:
-            yield make_delta_event("", [], **last)
-        yield make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids), len(seq.output_ids),
-                               seq.cached_tokens, **answer.whole())
+    def _stream_events(self, handle: RequestHandle, answer: ChatAnswer) -> Iterator[dict[str, Any]]:
+        for out in self._outputs(handle):
+            yield from _step_events(out, answer)
+
+    def agenerate_stream(self, request: dict[str, Any] | GenerationRequest, *,
+                         deadline: float | None = None) -> AsyncEventStream:
+        """The events of :meth:`generate_stream` as an async iterator, for a coroutine on a
+        running :mod:`asyncio` event loop; no thread waits on the engine meanwhile. The
+        request is parsed, tokenized and submitted by the first ``__anext__``, which raises
+        what :meth:`generate_stream` raises at its call. Cancelling the consuming task, or
+        ``aclose()``, aborts the request: the loop frees its KV blocks before its next step.
+        ``prompt_tokens`` holds the prompt's length once the first ``__anext__`` ran."""
+        return AsyncEventStream(self, request, deadline)
 
     def generate(self, request: dict[str, Any] | GenerationRequest, *,
                  deadline: float | None = None) -> dict[str, Any]:
         """Run a request to completion; return ``text``, ``token_ids``, ``finish_reason``,
         the parsed answer (``content``, ``reasoning_content``, ``tool_calls``) and ``usage``.
+        Thread-safe: requests from several threads run in one batch. An exception in the
+        calling thread while it waits (``KeyboardInterrupt``) aborts the request.
 
         Raises:
+            RequestError: a request the engine rejects.
             DeadlineExceeded: ``deadline`` (see :meth:`submit`) passed first.
+            EngineLoopError: the engine failed or was closed.
         """
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
         answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
-        seq = self.submit(req, deadline=deadline)
-        text = "".join(out.text for out in self._outputs(seq))
+        handle = self.submit(req, deadline=deadline)
+        text = "".join(out.text for out in self._outputs(handle))
         answer.delta(text, final=True)
+        seq = handle.seq
+        assert seq is not None
         return make_response(text, list(seq.output_ids), answer.finish_reason(_finish_reason(seq)),
-                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens, **answer.whole())
+                             handle.prompt_tokens, len(seq.output_ids), seq.cached_tokens, **answer.whole())
+
+
+class EventStream(Iterator[dict[str, Any]]):
+    """One request's events for a thread (:meth:`Engine.generate_stream`): an iterator whose
+    ``close()`` — or its collection — aborts the request even before the first event."""
+
+    def __init__(self, handle: RequestHandle, events: Iterator[dict[str, Any]]):
+        self._handle, self._events = handle, events
+        self.prompt_tokens = handle.prompt_tokens
+        """The prompt's length in tokens."""
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._events)
+
+    def close(self) -> None:
+        """Abort the request unless it finished; return once its KV blocks are free."""
+        self._handle.abort(wait=True)
+
+    def __del__(self) -> None:
+        self._handle.abort(wait=False)
+
+
+class AsyncEventStream:
+    """One request's events for a coroutine (:meth:`Engine.agenerate_stream`).
+
+    Attributes:
+        prompt_tokens: the prompt's length in tokens; None until the first ``__anext__``.
+    """
+
+    def __init__(self, engine: Engine, request: dict[str, Any] | GenerationRequest, deadline: float | None):
+        self.prompt_tokens: int | None = None
+        self._events = self._run(engine, request, deadline)
+
+    def __aiter__(self) -> AsyncEventStream:
+        return self
+
+    def __anext__(self) -> Awaitable[dict[str, Any]]:
+        return self._events.__anext__()
+
+    async def aclose(self) -> None:
+        """Abort the request unless it finished (idempotent)."""
+        await self._events.aclose()
+
+    async def _run(self, engine: Engine, request: dict[str, Any] | GenerationRequest,
+                   deadline: float | None) -> AsyncGenerator[dict[str, Any], None]:
+        req = request if isinstance(request, GenerationRequest) else engine.parse(request)
+        answer = ChatAnswer(output_parser(engine.tool_format, engine.tokenizer, req))
+        ids = engine.prompt_ids(req)
+        self.prompt_tokens = len(ids)
+        handle = engine.loop.submit(req, ids, deadline, asyncio.get_running_loop())
+        try:
+            await asyncio.wrap_future(handle.accepted)
+            while True:
+                out = await handle.aget()
+                _check_expired(out)
+                for event in _step_events(out, answer):
+                    yield event
+                if out.finished:
+                    return
+        finally:
+            # Never wait here: a cancelled task must not block its event loop; the loop
+            # thread frees the KV blocks before its next step.
+            handle.abort(wait=False)
+
+
+def _check_expired(out: StepOutput) -> None:
+    """Raise DeadlineExceeded for the finished output of a sequence dropped at its deadline."""
+    seq = out.seq
+    if out.finished and seq.finish_reason in (EXPIRED_WAITING, EXPIRED_RUNNING):
+        raise DeadlineExceeded(queued=seq.finish_reason == EXPIRED_WAITING, output_tokens=len(seq.output_ids))
+
+
+def _step_events(out: StepOutput, answer: ChatAnswer) -> list[dict[str, Any]]:
+    """The stream events of one step output: a delta when it carries text or tokens; after
+    the finished output, what the answer parser held back and the final event."""
+    events = []
+    if out.text or out.token_ids:
+        events.append(make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text)))
+    if out.finished:
+        seq = out.seq
+        last = answer.delta("", final=True)
+        if last["content"] or last["reasoning_content"] or last["tool_calls"]:
+            events.append(make_delta_event("", [], **last))
+        events.append(make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids),
+                                       len(seq.output_ids), seq.cached_tokens, **answer.whole()))
+    return events
 
 
 def _finish_reason(seq: Sequence) -> FinishReason:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -29,8 +28,6 @@ class ServerState:
     """The engine behind the app and what the routes report about it.
 
     Attributes:
-        limiter: the worker threads engine calls run in, one per possible connection
-            (``server.max_connections``) plus headroom, so no request waits for a thread.
         shutdown_deadline: :func:`time.monotonic` time at which a shutdown ends what is
             left, or None while serving.
         responses: stored ``/v1/responses`` results (set by the app factory).
@@ -43,7 +40,6 @@ class ServerState:
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
-        self.limiter = anyio.CapacityLimiter(engine.config.server.max_connections + 8)
         self.shutdown_deadline: float | None = None
 
     def begin_shutdown(self, timeout_s: float) -> None:

@@ -1,16 +1,14 @@
 """Drive one engine stream from the event loop.
 
-The engine is blocking (a step runs the model), so every call into it runs in a worker
-thread (``anyio.to_thread``); the event loop keeps serving other clients. The engine's lock
-serialises steps and one step advances every running sequence, so N streams driven from N
-threads form one continuous batch. The threads come from the server's own limiter, sized to
-``server.max_connections``, so a request never waits for a thread (it would wait outside the
-scheduler, where no deadline reaches it).
+The engine's own loop thread runs the model (:mod:`zllm.engine.loop`); a route consumes its
+request's events with :meth:`zllm.Engine.agenerate_stream`, an async iterator fed by that
+thread, so no worker thread waits per stream and N live streams form one continuous batch.
+The request is parsed and tokenized once, on the event loop, by the stream's first
+``__anext__`` (which also gives the prompt's length for Anthropic's ``message_start``).
 
-Cancellation: when the client goes away, Starlette cancels the response task. anyio defers
-that cancellation until the worker thread's current ``next()`` (at most one engine step)
-returns; then :meth:`EngineStream.aclose` closes the engine's generator, which aborts the
-sequence and frees its KV blocks — within one round.
+Cancellation: when the client goes away, Starlette cancels the response task; the engine
+stream's cancelled ``__anext__`` (or :meth:`EngineStream.aclose`) aborts the sequence, and
+the engine loop frees its KV blocks before its next step.
 
 Deadlines: ``server.request_timeout_s`` counts from the request's arrival and is handed to
 the engine, whose scheduler drops the request within one step of it — from the queue,
@@ -27,7 +25,6 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
 
 from zllm.server.errors import ApiError
 from zllm.spec.errors import DeadlineExceeded, RequestError, UnsupportedRequestError
@@ -63,7 +60,7 @@ class EngineStream:
 
     def __init__(self, st: ServerState, arrived: float):
         self._st, self._engine, self._metrics = st, st.engine, st.metrics
-        self._gen = None
+        self._events: Any = None  # the engine's AsyncEventStream (server and engine are siblings)
         self._first: dict[str, Any] | None = None
         self._arrived = arrived
         timeout_s = self._engine.config.server.request_timeout_s
@@ -83,30 +80,25 @@ class EngineStream:
                 408 / 503 when its deadline or the shutdown's passed first.
         """
         stream = cls(st, arrival_time(http_request))
-        engine = st.engine
-
-        def start() -> None:
-            parsed = engine.parse(request)
-            # Tokenized again by the engine on submit: the stream does not expose its
-            # sequence, and Anthropic's message_start must report the prompt's length.
-            stream.prompt_tokens = len(engine.prompt_ids(parsed))
-            gen = engine.generate_stream(parsed, deadline=stream.deadline)
-            stream._gen = gen
-            stream._first = next(gen)
-
+        events = st.engine.agenerate_stream(request, deadline=stream.deadline)
+        stream._events = events
         try:
-            await stream._in_thread(start)
+            stream._first = await stream._next()
         except RequestError as exc:
             await stream.aclose()
             raise request_error(exc, renames) from exc
         except BaseException:
             await stream.aclose()
             raise
+        stream.prompt_tokens = events.prompt_tokens or 0
         return stream
 
-    async def _in_thread(self, fn, *args):
+    async def _next(self) -> dict[str, Any] | None:
+        assert self._events is not None
         try:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._st.limiter)
+            return await self._events.__anext__()
+        except StopAsyncIteration:
+            return None
         except DeadlineExceeded as exc:
             raise self._abandoned(exc) from exc
 
@@ -152,16 +144,16 @@ class EngineStream:
                 yield event
                 if event["type"] == "final":
                     return
-                event = await self._in_thread(next, self._gen, None)
+                event = await self._next()
         finally:
             await self.aclose()
 
     async def aclose(self) -> None:
         """Close the engine stream (abort the sequence unless it finished); idempotent."""
-        gen, self._gen = self._gen, None
-        if gen is not None:
+        events, self._events = self._events, None
+        if events is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(gen.close, limiter=self._st.limiter)
+                await events.aclose()
 
 
 async def run_to_end(stream: EngineStream, request) -> tuple[str, dict[str, Any]]:
