@@ -165,7 +165,7 @@ def test_render_reports_core_api_and_each_plugins_distribution_version_api_and_c
     assert md.count("| example | declared |") == 1
 
     data = json.loads(render(matrix, "json"))
-    assert data["core_api"] == "1.1"
+    assert data["core_api"] == "1.2"
     assert {c["format"] for c in data["cells"]} == set(FORMAT_AXIS)
     text = render(matrix, "text")
     assert "core plugin API 1.1" in text and "unsupported (missing: embedding[q8_0], linear[q8_0])" in text

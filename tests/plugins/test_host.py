@@ -24,8 +24,8 @@ def test_installed_cpu_backend_and_llama_family_arrive_through_entry_points(inst
     records = {r.name: r for r in host.records}
     assert records["cpu"].status == "loaded", records["cpu"].reason
     assert records["llama"].status == "loaded", records["llama"].reason
-    assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.0")
-    assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.1")
+    assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.2")
+    assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.2")
     assert records["cpu"].kinds == ["backend:cpu"] and records["llama"].kinds == ["family:llama", "family:mistral", "family:qwen2", "family:qwen3"]
     assert "cpu" in host.backends and "llama" in host.families
 

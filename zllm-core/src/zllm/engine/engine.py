@@ -30,6 +30,7 @@ from zllm.spec.request import (
     GenerationRequest,
     make_delta_event,
     make_final_event,
+    make_logprobs,
     make_response,
     parse_request,
 )
@@ -67,6 +68,7 @@ class Engine:
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
             device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
+            batch_invariant=cfg.runtime.batch_invariant,
         )
         self._lock = threading.Lock()
         self._queues: dict[int, deque[StepOutput]] = {}
@@ -197,13 +199,23 @@ class Engine:
         seq = self.submit(req, deadline=deadline)
         return self._stream_events(seq, answer)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs: "" for a padded logits column outside the vocabulary."""
+        if token_id >= self.tokenizer.vocab_size:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, seq: Sequence, entries) -> list[dict[str, Any]] | None:
+        return None if seq.request.logprobs is None else make_logprobs(entries, self.token_text)
+
     def _stream_events(self, seq: Sequence, answer: ChatAnswer) -> Iterator[dict[str, Any]]:
         for out in self._outputs(seq):
             if out.text or out.token_ids:
-                yield make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text))
+                yield make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text),
+                                       logprobs=self._logprobs(seq, out.logprobs))
         last = answer.delta("", final=True)
         if last["content"] or last["reasoning_content"] or last["tool_calls"]:
-            yield make_delta_event("", [], **last)
+            yield make_delta_event("", [], **last, logprobs=self._logprobs(seq, ()))
         yield make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids), len(seq.output_ids),
                                seq.cached_tokens, **answer.whole())
 
@@ -218,10 +230,12 @@ class Engine:
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
         answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
         seq = self.submit(req, deadline=deadline)
-        text = "".join(out.text for out in self._outputs(seq))
+        outputs = list(self._outputs(seq))
+        text = "".join(out.text for out in outputs)
         answer.delta(text, final=True)
         return make_response(text, list(seq.output_ids), answer.finish_reason(_finish_reason(seq)),
-                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens, **answer.whole())
+                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens, **answer.whole(),
+                             logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]))
 
 
 def _finish_reason(seq: Sequence) -> FinishReason:
