@@ -28,11 +28,15 @@ def completion_logprobs(entries: list[dict[str, Any]], text_offset: int = 0,
                         prompt: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Completions ``choices[].logprobs``: ``{"tokens", "token_logprobs", "top_logprobs",
     "text_offset"}``, one entry per token, ``top_logprobs`` a ``{token text: logprob}`` map
-    (two tokens with one text keep the likelier, as the map can hold only one).
+    (two tokens with one text keep the likelier, as the map can hold only one). A token's
+    ``text_offset`` is the summed length of the token texts before it (as vLLM counts), which
+    can differ from its place in ``text`` where one token's text alone differs from its
+    text in context (a SentencePiece word-start space).
 
     Args:
         entries: the generated tokens' logprobs.
-        text_offset: where the first token's text starts in the choice's whole ``text``.
+        text_offset: the summed token-text length before the first entry (a stream's
+            earlier chunks).
         prompt: with ``echo``, the prompt tokens' entries first: ``logprob`` None for the
             first prompt token (nothing predicts it) and its ``top_logprobs`` None.
     """

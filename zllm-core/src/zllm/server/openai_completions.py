@@ -138,15 +138,14 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         text, final = await run_to_end(stream, request)
-        logprobs = None if final["logprobs"] is None else completion_logprobs(
-            final["logprobs"], len(echo_text), echo_logprobs)
+        logprobs = None if final["logprobs"] is None else completion_logprobs(final["logprobs"], 0, echo_logprobs)
         return chunk([{"index": 0, "text": echo_text + text, "finish_reason": final["finish_reason"],
                        "logprobs": logprobs}], openai_usage(final), True)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events():
-        offset = len(echo_text)
+        offset = sum(len(e["token"]) for e in echo_logprobs or ())
         if body.echo:
             logprobs = None if body.logprobs is None else completion_logprobs([], 0, echo_logprobs)
             yield sse(chunk([{"index": 0, "text": echo_text, "finish_reason": None, "logprobs": logprobs}],
@@ -157,7 +156,7 @@ async def completions(body: CompletionRequest, request: Request):
                     logprobs = None if event["logprobs"] is None else completion_logprobs(event["logprobs"], offset)
                     yield sse(chunk([{"index": 0, "text": event["text"], "finish_reason": None,
                                       "logprobs": logprobs}], None, include_usage))
-                    offset += len(event["text"])
+                    offset += sum(len(e["token"]) for e in event["logprobs"] or ())
                 continue
             yield sse(chunk([{"index": 0, "text": "", "finish_reason": event["finish_reason"], "logprobs": None}],
                             None, include_usage))
