@@ -99,9 +99,9 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> 
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [P-1, V]
     ids = torch.tensor(prompt_ids[1:], dtype=torch.int64, device=logits.device)
     chosen = logp.gather(1, ids[:, None])[:, 0].clamp_min(LOGPROB_FLOOR).tolist()
-    top_values, top_ids = logp.sort(dim=-1, descending=True, stable=True)
-    top_values = top_values[:, :top_n].clamp_min(LOGPROB_FLOOR).tolist()
-    top_ids = top_ids[:, :top_n].tolist()
+    ordered, order = logp.sort(dim=-1, descending=True, stable=True)
+    top_values = ordered[:, :top_n].clamp_min(LOGPROB_FLOOR).tolist()
+    top_ids = order[:, :top_n].tolist()
     return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
             for t, c, i, v in zip(prompt_ids[1:], chosen, top_ids, top_values, strict=True)]
 
@@ -280,7 +280,8 @@ class Sampler:
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else torch.cat(values)
 
-        return SamplerOutput(cat("token_ids"), cat("logprobs"), cat("top_ids"), cat("top_logprobs"), cat("probs"))
+        return SamplerOutput(torch.cat([p.token_ids for p in parts]), cat("logprobs"), cat("top_ids"),
+                             cat("top_logprobs"), cat("probs"))
 
     @staticmethod
     def _batch(logits: torch.Tensor, rows: list[SamplingRow], masks: list[torch.Tensor | None] | None,
