@@ -14,7 +14,7 @@
    ``execute``               ``ModelRunner.execute`` (batch building, forward, sampling)
    ``forward``               the model's ``forward``
    ``op.<name>``             each bound op (``linear``, ``attention``, ...), summed
-   ``sample``                ``ops.sample``
+   ``sample``                the runtime's sampler (``ModelRunner.sampler``)
    ``accept``                ``LLMEngine._accept``: detokenization and stop checks
    ``runtime python``        ``interval - forward - sample``: everything but the model
                              and the sampler
@@ -83,8 +83,8 @@ def instrument(engine) -> _Clock:
     llm.runner.execute = clock.wrap("execute", llm.runner.execute)
     model = llm.runner.model
     model.forward = clock.wrap("forward", model.forward)
+    llm.runner.sampler = clock.wrap("sample", llm.runner.sampler)
     ops = model.ops
-    ops.sample = clock.wrap("sample", ops.sample)
     for name in OP_NAMES:
         if hasattr(ops, name):
             setattr(ops, name, clock.wrap(f"op.{name}", getattr(ops, name)))

@@ -38,7 +38,7 @@ REASONS = {
 GPU_CAPABILITIES = {f"embedding[{f}]" for f in ("f32", "f16", "bf16", "q8_0")} | {
     f"linear[{f}]" for f in ("f32", "f16", "bf16", "q8_0")} | {
     "rms_norm[f32]", "add_rms_norm[f32]", "rope[neox]", "rope[gptj]", "silu_mul[f32]", "attention[paged]",
-    "attention_sliding[paged]", "sample[f32]"}
+    "attention_sliding[paged]"}
 #: What the cuda and rocm backends add through zllm-kernels-triton alone (metal has none of them).
 TRITON_ONLY_CAPABILITIES = {f"moe[{f}]" for f in ("f32", "f16", "bf16", "q8_0")} | {"mla_attention[paged]"}
 TRITON_CAPABILITIES = {f"{op}[{v}]" for op, variants, _ in OPS for v in variants}
@@ -47,7 +47,7 @@ without_gpus = pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mp
                                   reason="a GPU is visible: the expected reasons describe a machine without one")
 LLAMA_F32_NEEDS = frozenset(Capability.parse(c) for c in (
     "embedding[f32]", "linear[f32]", "rms_norm[f32]", "add_rms_norm[f32]", "rope[neox]", "attention[paged]",
-    "silu_mul[f32]", "sample[f32]"))
+    "silu_mul[f32]"))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_auto_selection_skips_the_gpu_backends_with_their_reasons(host):
 
 
 @pytest.mark.parametrize("name", sorted(REASONS))
-@pytest.mark.parametrize("op", ["linear", "attention", "sample"])
+@pytest.mark.parametrize("op", ["linear", "attention", "rope"])
 def test_force_reference_binds_the_f32_reference_on_every_gpu_backend(host, name, op):
     ops = BoundOps(host.kernels, name, LLAMA_F32_NEEDS, force_reference=[op], ops=host.ops)
     for cap, choice in ops.choices.items():

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zllm.conformance.cases import SampleRowSpec
-from zllm.conformance.kernels import allowed_tokens, compare
+from zllm.conformance.kernels import compare
 from zllm.conformance.report import CaseResult, ConformanceReport, E2EResult, report_paths
 
 
@@ -113,14 +112,3 @@ def test_output_on_another_device_than_the_backend_fails():
     ok, _, _, detail = compare([torch.zeros(2)], [torch.zeros(2)], 1e-2, 1e-2, [torch.device("cpu")],
                                torch.device("cuda", 0))
     assert not ok and "is on cpu, expected the backend's device cuda:0" in detail
-
-
-def test_allowed_tokens_follow_greedy_ties_top_k_top_p_and_min_p():
-    logits = torch.tensor([1.0, 3.0, 3.0, 2.0, -1.0])
-    assert allowed_tokens(logits, SampleRowSpec(temperature=0.0)) == {1}  # ties: lowest index
-    assert allowed_tokens(logits, SampleRowSpec(temperature=1.0)) == {0, 1, 2, 3, 4}
-    assert allowed_tokens(logits, SampleRowSpec(temperature=1.0, top_k=3)) == {1, 2, 3}
-    assert allowed_tokens(logits, SampleRowSpec(temperature=1.0, top_p=1e-6)) == {1}
-    assert allowed_tokens(logits, SampleRowSpec(temperature=1.0, min_p=0.3)) == {1, 2, 3}  # e^-1 ~ 0.37 >= 0.3
-    penalised = SampleRowSpec(temperature=0.0, repetition_penalty=2.0, prompt_token_ids=torch.tensor([1]))
-    assert allowed_tokens(logits, penalised) == {2}

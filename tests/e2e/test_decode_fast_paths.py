@@ -1,6 +1,6 @@
 """The per-step shortcuts of the decode path give what the slow path gives: the llama model's
 RoPE table rows equal ``rope_cos_sin`` at those positions bit for bit (whatever order the table
-grew in), and the runner's all-greedy shortcut picks the sampler kernel's token at every step."""
+grew in), and the runner's all-greedy shortcut picks the runtime sampler's token at every step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import zllm
 from tests.conftest import CONFIGS
 from zllm.plugin_api import AttentionMetadata, SamplingRow, rope_cos_sin
+from zllm.runtime.sampler import Sampler
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,11 @@ def _greedy_row() -> SamplingRow:
                        generator=torch.Generator())
 
 
-def test_greedy_shortcut_picks_the_sampler_kernels_token_at_every_step(engine) -> None:
+def test_greedy_shortcut_picks_the_runtime_samplers_token_at_every_step(engine) -> None:
     prompt = engine.tokenizer.encode("One day, a little")
     out = engine.generate({"prompt_token_ids": prompt, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
     ids = prompt + out["token_ids"]
     logits = engine.prompt_logits(ids[:-1])  # [P + N - 1, V]: the logits each generated token came from
     rows = logits[len(prompt) - 1:]  # [N, V]
-    sampled = engine.loaded.ops.sample(rows, [_greedy_row() for _ in range(rows.shape[0])])
+    sampled = Sampler()(rows, [_greedy_row() for _ in range(rows.shape[0])]).token_ids
     assert sampled.tolist() == out["token_ids"]

@@ -28,7 +28,7 @@ from zllm.plugins.host import PluginHost
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import QuantizedTensor
 
-ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "sample"]
+ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul"]
 QUANTIZED = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 GGUF_TYPES = {fmt: gguf.GGMLQuantizationType[fmt.upper()] for fmt in QUANTIZED}
 F32_FILE = MODEL_DIR / "gguf" / "stories260K-f32.gguf"

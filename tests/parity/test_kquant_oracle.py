@@ -40,7 +40,7 @@ from zllm.spec.errors import TensorError
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
 
-ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "sample"]
+ALL_OPS = ["embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "silu_mul"]
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 # Q4_K with Q5_0 where a row is not whole super-blocks: FFN 352 makes ffn_down's rows 352 weights
 MIXED = "q4_k+q5_0"

@@ -111,5 +111,5 @@ def backend_source(name: str, *, caps: str = '"linear[f32]"', priority: int = 0,
 
 
 LLAMA_F32_NEEDS = (
-    '"embedding[f32]", "linear[f32]", "rms_norm[f32]", "rope[neox]", "attention[paged]", "silu_mul[f32]", "sample[f32]"'
+    '"embedding[f32]", "linear[f32]", "rms_norm[f32]", "rope[neox]", "attention[paged]", "silu_mul[f32]"'
 )

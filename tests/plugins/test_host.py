@@ -6,6 +6,10 @@ import warnings
 
 import pytest
 
+from tests.conftest import CONFIGS
+from tests.plugins.conftest import LLAMA_F32_NEEDS
+from zllm import Engine
+from zllm.capabilities import Capability
 from zllm.engine.engine import plugin_allowlist_from_env
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION
 from zllm.plugins.host import PluginHost, PluginWarning
@@ -24,8 +28,8 @@ def test_installed_cpu_backend_and_llama_family_arrive_through_entry_points(inst
     records = {r.name: r for r in host.records}
     assert records["cpu"].status == "loaded", records["cpu"].reason
     assert records["llama"].status == "loaded", records["llama"].reason
-    assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.0")
-    assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.1")
+    assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.2")
+    assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.2")
     assert records["cpu"].kinds == ["backend:cpu"] and records["llama"].kinds == [
         "family:llama", "family:mistral", "family:qwen2", "family:qwen3", "family:mixtral", "family:qwen2_moe",
         "family:qwen3_moe"]
@@ -165,3 +169,45 @@ def test_discovery_order_does_not_depend_on_entry_point_order(plugins):
         forward, backward = PluginHost(entry_points=eps), PluginHost(entry_points=eps[::-1])
     assert [r.name for r in forward.records] == [r.name for r in backward.records] == ["alpha", "zeta"]
 
+
+
+
+def test_a_plugin_api_1_1_backend_declaring_the_retired_sample_op_loads_with_a_warning(plugins):
+    # Before plugin API 1.2 a backend declared and registered `sample`; the runtime's sampler
+    # took that job over, and such a backend must keep loading.
+    ep = plugins.backend("legacy", caps=LLAMA_F32_NEEDS + ', "sample[f32]"', api="1.1")
+    with pytest.warns(PluginWarning, match=r"backend 'legacy' declares sample\[f32\], which the core no longer "
+                                           r"takes from backends \(sample: since plugin API 1.2 the runtime's sampler"):
+        host = PluginHost(entry_points=[ep])
+    assert host.records[0].status == "loaded"
+    assert Capability("sample", "f32") not in host.backends["legacy"].capabilities
+    assert Capability("linear", "f32") in host.backends["legacy"].capabilities
+    assert host.kernels.registered("sample") == []  # its kernel is dropped, so conformance never runs it
+    assert "legacy/f32" in host.kernels.registered("linear")
+
+
+OLD_FAMILY = """
+    from zllm.plugin_api import Capability, FamilyInfo, hookimpl
+    from zllm_model_llama.family import LlamaFamily
+
+    ZLLM_PLUGIN_API = "1.1"
+
+    class OldLlama(LlamaFamily):
+        # A family written for plugin API 1.1 listed the sampler among its needs.
+        def required_capabilities(self, spec, weight_formats):
+            return super().required_capabilities(spec, weight_formats) | {Capability("sample", "f32")}
+
+    @hookimpl
+    def zllm_model_families():
+        return [FamilyInfo(name="oldllama", model_types=("llama",), factory=__name__ + ":OldLlama")]
+"""
+
+
+def test_a_family_still_needing_the_retired_sample_op_loads_and_generates(plugins, installed_eps):
+    cpu = [ep for ep in installed_eps if ep.name == "cpu"]
+    host = PluginHost(entry_points=[*cpu, plugins.dist("oldllama", OLD_FAMILY)])
+    engine = Engine.from_config(CONFIGS / "stories260k-hf.yaml", host=host)
+    assert "sample" not in {c.op for c in engine.loaded.ops.choices}
+    request = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.0}
+    assert engine.generate(request)["token_ids"] == Engine.from_config(CONFIGS / "stories260k-hf.yaml").generate(
+        request)["token_ids"]

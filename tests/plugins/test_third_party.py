@@ -42,7 +42,7 @@ def api2_copy(dst: Path) -> Path:
         text = (text.replace("zllm-backend-example", "zllm-backend-example2")
                 .replace("zllm_backend_example", "zllm_backend_example2")
                 .replace('example = "', 'example2 = "').replace('BACKEND = "example"', 'BACKEND = "example2"')
-                .replace('ZLLM_PLUGIN_API = "1.0"', 'ZLLM_PLUGIN_API = "2.0"'))
+                .replace('ZLLM_PLUGIN_API = "1.2"', 'ZLLM_PLUGIN_API = "2.0"'))
         path.write_text(text, encoding="utf-8")
     assert 'ZLLM_PLUGIN_API = "2.0"' in (dst / "src" / "zllm_backend_example2" / "plugin.py").read_text()
     return dst
@@ -94,14 +94,14 @@ def test_example_backend_is_discovered_and_api2_copy_is_skipped_with_warning(ven
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["example"]["status"] == "loaded", rows["example"]
     assert (rows["example"]["distribution"], rows["example"]["version"]) == ("zllm-backend-example", "0.1.0")
-    assert rows["example"]["kind"] == "backend:example" and rows["example"]["api"] == "1.0"
+    assert rows["example"]["kind"] == "backend:example" and rows["example"]["api"] == "1.2"
     assert set(rows["example"]["requires_core"].split(",")) == {">=0.1", "<0.2"}
     assert rows["cpu"]["status"] == rows["llama"]["status"] == "loaded"
 
     assert rows["example2"]["status"] == "skipped"
     assert (
         "warning: zllm plugin 'example2' (zllm-backend-example2 0.1.0) skipped: "
-        "targets plugin API 2.0 but this zllm-core speaks 1.1"
+        "targets plugin API 2.0 but this zllm-core speaks 1.2"
     ) in proc.stderr
 
 
@@ -130,7 +130,7 @@ def test_example_backend_is_capability_checked_and_selectable(venv):
     assert ("REJECTED ['embedding[q8_0]', 'linear[q8_0]'] example llama | backend 'example' lacks capabilities "
             "embedding[q8_0], linear[q8_0] needed by model family 'llama'") in out
     assert "CHOSEN example ExampleBackend | backend 'example' named in config" in out
-    assert out.count("zllm-backend-example\n") == 9  # one kernel per declared capability
+    assert out.count("zllm-backend-example\n") == 8  # one kernel per declared capability
 
 
 @pytest.mark.skipif(not CONFIG.exists(), reason="shipped stories260k config not present")
@@ -156,7 +156,7 @@ def test_example_kernels_match_the_f32_references(monkeypatch):
 
     import torch
 
-    from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+    from zllm.capabilities.ops import AttentionMetadata
     from zllm.plugins.host import PluginHost
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
@@ -205,15 +205,3 @@ def test_example_kernels_match_the_f32_references(monkeypatch):
         outs.append((fn(q, kk, vv, kc, vc, meta), kc, vc))
     for a, b_ in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(a, b_, **close)
-
-    mine, ref = both("sample", "f32")
-    logits = torch.randn(3, v, generator=g)
-
-    def rows(seed: int):
-        def row(temp, top_k, top_p, min_p, rep, i):
-            return SamplingRow(temp, top_k, top_p, min_p, rep, 0.1, 0.2, torch.tensor([1, 2]), torch.tensor([3, 3, 4]),
-                               torch.Generator().manual_seed(seed + i))
-        return [row(0.0, 0, 1.0, 0.0, 1.3, 0), row(0.8, 5, 0.9, 0.0, 1.0, 1), row(1.2, 0, 1.0, 0.05, 1.1, 2)]
-
-    for seed in range(5):
-        assert mine(logits, rows(seed)).tolist() == ref(logits, rows(seed)).tolist()

@@ -41,9 +41,11 @@ def free_port() -> int:
 
 
 class Server:
-    """A running ``zllm serve``: ``url``, ``model`` (the served name), ``metrics()``."""
+    """A running ``zllm serve``: ``url``, ``model`` (the served name), ``config`` (its config
+    file, for an in-process Engine of the same model), ``metrics()``."""
 
     def __init__(self, config: Path, model: str, log: Path):
+        self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model

@@ -66,8 +66,8 @@ COMPLETION = {"prompt": "Once", "max_tokens": 4}
         ({**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
         ({**COMPLETION, "prompt": "Once upon a time " * 200}, "prompt"),  # > 512-token context
         ({**COMPLETION, "n": 2}, "n"),
-        ({**COMPLETION, "logprobs": 2}, "logprobs"),
-        ({**COMPLETION, "echo": True}, "echo"),
+        ({**COMPLETION, "logprobs": 21}, "logprobs"),
+        ({**COMPLETION, "logprobs": True}, "logprobs"),
         ({**COMPLETION, "stream": "yes"}, "stream"),
         ({**COMPLETION, "frobnicate": 1}, "frobnicate"),
     ],
@@ -133,7 +133,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, "messages[0].tool_call_id"),
         ({**CHAT, "n": 3}, "n"),
-        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
         ({**CHAT, "max_completion_tokens": 3}, "max_tokens"),  # both the field and its alias

@@ -30,9 +30,9 @@ def test_every_torch_kernel_resolves_to_a_callable_for_a_core_capability():
 
 
 def test_torch_rows_give_one_row_per_capability_and_name_an_unknown_one():
-    rows = torch_rows(["linear[bf16]", "sample[f32]"])
+    rows = torch_rows(["linear[bf16]", "embedding[f16]"])
     assert rows == [("linear", ("bf16",), "zllm_kernels_torch.linear:linear_dense"),
-                    ("sample", ("f32",), "zllm_kernels_torch.sampling:sample")]
+                    ("embedding", ("f16",), "zllm_kernels_torch.linear:embedding_dense")]
     with pytest.raises(KeyError, match=r"linear\[q4_0\]"):
         torch_rows(["linear[q4_0]"])
 
@@ -55,4 +55,4 @@ def test_register_rows_registers_each_variant_and_refuses_a_second_claim():
     register_rows(registry, "gpu", torch_rows(GPU_TORCH_CAPABILITIES), registered_by="test")
     assert all(registry.has(c.op, "gpu", c.variant) for c in map(Capability.parse, GPU_TORCH_CAPABILITIES))
     with pytest.raises(ValueError, match="already registered by test"):
-        register_rows(registry, "gpu", torch_rows(["sample[f32]"]), registered_by="other")
+        register_rows(registry, "gpu", torch_rows(["linear[f32]"]), registered_by="other")

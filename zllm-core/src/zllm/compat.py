@@ -257,6 +257,7 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
     # Imported here, not at module level, so that tools/check_verified.py can use
     # load_verified without importing torch.
     from zllm.capabilities import missing_capabilities
+    from zllm.domain.ops import without_retired
     from zllm.plugins.hookspecs import PLUGIN_API_VERSION
 
     if verified is not None:
@@ -280,7 +281,7 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
         for be_name in sorted(host.backends):
             provided = host.backends[be_name].capabilities
             for fmt, weight_fmt in FORMAT_AXIS.items():
-                needed = family.format_capabilities(weight_fmt)
+                needed = without_retired(family.format_capabilities(weight_fmt))
                 missing = tuple(missing_capabilities(needed, provided))
                 claim = claims.pop((fam_name, be_name, fmt), None)
                 kernel_tests = [checked.get((be_name, str(c))) for c in sorted(needed)]

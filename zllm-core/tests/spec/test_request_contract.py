@@ -11,12 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zllm.runtime.sampler import TokenLogprob
 from zllm.spec.config import GenerationDefaults
 from zllm.spec.errors import ConfigError, RequestError
 from zllm.spec.request import (
     GenerationRequest,
     make_delta_event,
     make_final_event,
+    make_logprobs,
     make_response,
     parse_request,
 )
@@ -248,9 +250,31 @@ def test_make_response() -> None:
         "content": "Hello",
         "reasoning_content": "",
         "tool_calls": [],
+        "logprobs": None,
         "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "cached_tokens": 3},
     }
     assert json.loads(json.dumps(resp)) == resp
+
+
+def test_make_logprobs_gives_each_token_its_text_and_alternatives() -> None:
+    entries = [TokenLogprob(9, -0.25, ((9, -0.25), (4, -1.5))), TokenLogprob(10, -9999.0, ())]
+    out = make_logprobs(entries, {4: "a", 9: "He", 10: "llo"}.__getitem__)
+    assert out == [{"token_id": 9, "token": "He", "logprob": -0.25,
+                    "top_logprobs": [{"token_id": 9, "token": "He", "logprob": -0.25},
+                                     {"token_id": 4, "token": "a", "logprob": -1.5}]},
+                   {"token_id": 10, "token": "llo", "logprob": -9999.0, "top_logprobs": []}]
+    resp = make_response("Hello", (9, 10), "length", 1, 2, 0, logprobs=out)
+    assert json.loads(json.dumps(resp, allow_nan=False))["logprobs"] == out
+
+
+@pytest.mark.parametrize(("value", "ok"), [(None, True), (0, True), (20, True), (21, False), (-1, False),
+                                           (True, False), (1.0, False)])
+def test_logprobs_field_is_an_int_from_0_to_20(value, ok) -> None:
+    if ok:
+        assert parse_request({"prompt": "x", "logprobs": value}, GenerationDefaults()).logprobs == value
+    else:
+        with pytest.raises(RequestError, match=r"^logprobs: .*an int in \[0, 20\]"):
+            parse_request({"prompt": "x", "logprobs": value}, GenerationDefaults())
 
 
 def test_stream_events() -> None:

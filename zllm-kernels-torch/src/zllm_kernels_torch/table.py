@@ -30,12 +30,11 @@ TORCH_KERNELS: tuple[KernelRow, ...] = (
     ("attention", ("paged",), f"{_PKG}.attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
-    ("sample", ("f32",), f"{_PKG}.sampling:sample"),
 )
 
 #: What the CUDA and ROCm backends take from this library; Triton kernels cover the rest.
 GPU_TORCH_CAPABILITIES = ("embedding[f32]", "embedding[f16]", "embedding[bf16]", "embedding[q8_0]",
-                          "linear[f32]", "linear[f16]", "linear[bf16]", "sample[f32]")
+                          "linear[f32]", "linear[f16]", "linear[bf16]")
 
 #: The capabilities that read bf16 weights: what a device without bf16 support withdraws.
 BF16_WEIGHT_CAPABILITIES = ("embedding[bf16]", "linear[bf16]")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from zllm.plugin_api import AttentionMetadata, SamplingRow
+from zllm.plugin_api import AttentionMetadata
 
 
 def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -86,37 +86,3 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``: f32 ``[T, N]`` x2 -> f32 ``[T, N]``."""
     return torch.nn.functional.silu(gate) * up
-
-
-def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    # Order and draw as documented in zllm.domain.sampling, so a seeded request gives the
-    # same token as the reference.
-    logits = logits.float().clone()  # [V]
-    if row.repetition_penalty != 1.0:
-        seen = torch.cat([row.prompt_token_ids, row.output_token_ids]).unique()
-        picked = logits[seen]
-        logits[seen] = torch.where(picked > 0, picked / row.repetition_penalty, picked * row.repetition_penalty)
-    if row.output_token_ids.numel() and (row.presence_penalty or row.frequency_penalty):
-        counts = torch.bincount(row.output_token_ids, minlength=logits.shape[0]).float()
-        logits = logits - (row.frequency_penalty * counts + row.presence_penalty * (counts > 0).float())
-    if row.temperature == 0.0:
-        return int(torch.argmax(logits))
-    logits = logits / row.temperature
-    if 0 < row.top_k < logits.shape[0]:
-        logits = logits.masked_fill(logits < torch.topk(logits, row.top_k).values[-1], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if row.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True, stable=True)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= row.top_p
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
-    if row.min_p > 0.0:
-        probs = probs.masked_fill(probs < row.min_p * probs.max(), 0.0)
-    u = torch.rand(probs.shape[0], generator=row.generator, device=probs.device, dtype=torch.float32)
-    return int(torch.argmax(probs / -torch.log(u)))  # exponential race = Gumbel-max
-
-
-def sample(logits: torch.Tensor, params: list[SamplingRow]) -> torch.Tensor:
-    """``logits`` f32 ``[S, V]`` -> int64 ``[S]``, one token per row."""
-    return torch.tensor(
-        [_sample_row(logits[s], p) for s, p in enumerate(params)], dtype=torch.int64, device=logits.device
-    )

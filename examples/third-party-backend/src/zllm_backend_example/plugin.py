@@ -13,7 +13,7 @@ Three things make a backend plugin:
 
 from zllm.plugin_api import BackendInfo, Capability, KernelRegistry, hookimpl
 
-ZLLM_PLUGIN_API = "1.0"
+ZLLM_PLUGIN_API = "1.2"
 BACKEND = "example"
 DISTRIBUTION = "zllm-backend-example"
 
@@ -28,7 +28,6 @@ KERNELS: tuple[tuple[str, str, str], ...] = (
     ("rope", "gptj", "zllm_backend_example.kernels:rope_gptj"),
     ("attention", "paged", "zllm_backend_example.kernels:attention"),
     ("silu_mul", "f32", "zllm_backend_example.kernels:silu_mul"),
-    ("sample", "f32", "zllm_backend_example.kernels:sample"),
 )
 
 CAPABILITIES = frozenset(Capability(op, variant) for op, variant, _ in KERNELS)

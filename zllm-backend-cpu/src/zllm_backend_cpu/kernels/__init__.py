@@ -47,13 +47,12 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
-    ("sample", ("f32",), f"{_PKG}.sampling:sample"),
     ("moe", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe:moe"),
 ]
 
 #: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
 #: :mod:`zllm_backend_cpu.kernels.invariant` for why); registered with ``batch_invariant=True``.
-INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "add_rms_norm", "rope", "sample"})
+INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "add_rms_norm", "rope"})
 
 #: Batch-invariant kernels for the other ops, registered at priority -2 with
 #: ``batch_invariant=True``: chosen only when ``runtime.batch_invariant`` is on.

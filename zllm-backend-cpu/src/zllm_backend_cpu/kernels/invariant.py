@@ -27,9 +27,9 @@ How:
   whether it was prefilled whole, in chunks of any size, after a reused prefix, or
   recomputed after preemption.
 
-``embedding``, ``rms_norm``, ``rope`` and ``sample`` are batch-invariant as they stand
-(gather; per-row reductions; exact elementwise ``*``/``+``; per-row sampling), and are
-registered as such by the kernel table.
+``embedding``, ``rms_norm`` and ``rope`` are batch-invariant as they stand (gather; per-row
+reductions; exact elementwise ``*``/``+``), and are registered as such by the kernel table.
+Sampling is not a kernel: the runtime's sampler has its own batch-invariant mode.
 """
 
 from __future__ import annotations

@@ -154,7 +154,9 @@ class AttentionMetadata:
 
 @attrs.frozen(eq=False)
 class SamplingRow:
-    """Sampling settings and state for one sequence (one row of the logits).
+    """Sampling settings and state for one sequence (one row of the logits), as the runtime's
+    sampler (:mod:`zllm.runtime.sampler`) and its f32 reference take them; exported in
+    ``zllm.plugin_api`` so a backend's fused piece of sampling can take the same rows.
 
     Order of application (vLLM / HF ``generate``): repetition penalty, presence and
     frequency penalties, temperature, top-k, top-p, min-p, then a draw. ``temperature == 0``

@@ -12,7 +12,7 @@ windows whose early blocks were freed (-1 in the block table), activations that 
 into a fused tensor (the q/k/v split of a fused QKV projection, the gate/up halves of a fused
 MLP projection), weights in every format of a variant (dense f32/f16/bf16; q8_0, q4_0, q4_1,
 q5_0, q5_1 from ``gguf.quants.quantize``; k-quants, which gguf-py cannot encode, as random blocks with
-bounded f16 super-block scales) and sampling rows with every setting.
+bounded f16 super-block scales).
 """
 
 from __future__ import annotations
@@ -40,28 +40,6 @@ DEFAULT_RTOL = 1e-2
 
 
 @attrs.frozen(eq=False)
-class SampleRowSpec:
-    """The settings of one :class:`~zllm.capabilities.ops.SamplingRow`, with a seed instead of
-    a generator: the generator is made on the backend's device when the case runs.
-
-    Attributes:
-        seed: seeds ``torch.Generator(device=backend.device)`` for the row's draw.
-        prompt_token_ids, output_token_ids: int64 ``[P]`` / ``[O]`` on the CPU.
-    """
-
-    temperature: float
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    prompt_token_ids: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.int64))
-    output_token_ids: torch.Tensor = attrs.field(factory=lambda: torch.empty(0, dtype=torch.int64))
-    seed: int = 0
-
-
-@attrs.frozen(eq=False)
 class Case:
     """One input set for one ``op[variant]``.
 
@@ -69,15 +47,13 @@ class Case:
         op, variant: the capability the case exercises.
         label: what the case covers, e.g. ``T=7 K=96 N=33 bias x=transposed view``.
         args: CPU inputs in the op's argument order (tensors keep their strides: a view
-            stays a view on the backend); ``sample`` cases hold ``(logits, [SampleRowSpec])``.
+            stays a view on the backend).
         placed: indexes of ``args`` that are weights or KV caches, moved with
             ``backend.place()``; the others are activations and metadata, moved to
             ``backend.device`` as the runtime does.
         written: indexes of ``args`` the op writes in place (the KV caches), compared after
             the call as well as the outputs; every other input must come back unchanged.
         atol, rtol: an element passes when ``|out - ref| <= atol + rtol * |ref|``.
-        distribution: a ``sample`` case whose rows are all one distribution (same logits,
-            same settings, one seed each), judged by the frequency of each drawn token.
         arg_names: the op's declared argument names (set by :func:`cases_for`), for messages.
     """
 
@@ -89,7 +65,6 @@ class Case:
     written: tuple[int, ...] = ()
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
-    distribution: bool = False
     arg_names: tuple[str, ...] = ()
 
 
@@ -524,73 +499,6 @@ def mla_attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[C
         cases.append(Case("mla_attention", variant, label, (q_nope, q_pe, latent, latent_cache, kv_b_proj, meta),
                           placed=frozenset({3, 4}), written=(3,)))
     return cases
-
-
-# ---------------------------------------------------------------------------- sampling
-
-
-def _sample_rows(g: torch.Generator, vocab: int, n_rows: int, seed: int) -> list[SampleRowSpec]:
-    """Greedy and stochastic rows cycling through the settings, with penalties on some."""
-    prompt = torch.randint(0, vocab, (6,), generator=g)
-    output = torch.randint(0, vocab, (9,), generator=g)
-    empty = torch.empty(0, dtype=torch.int64)
-    settings = [
-        dict(temperature=0.0),
-        dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, penalised=True),
-        dict(temperature=1.0),
-        dict(temperature=0.7, top_k=5),
-        dict(temperature=1.3, top_p=0.8),
-        dict(temperature=1.0, min_p=0.2),
-        dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.2, penalised=True),
-        dict(temperature=1.0, top_k=1),
-        dict(temperature=2.0, top_p=1e-6),
-        dict(temperature=0.5, presence_penalty=1.0, frequency_penalty=-0.5, penalised=True),
-    ]
-    rows = []
-    for i in range(n_rows):
-        s: dict[str, Any] = dict(settings[i % len(settings)])
-        penalised = s.pop("penalised", False)
-        rows.append(SampleRowSpec(**s, prompt_token_ids=prompt if penalised else empty,
-                                  output_token_ids=output if penalised else empty, seed=seed * 1000 + i))
-    return rows
-
-
-def sample_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
-    """``sample``: greedy rows (with ties, which go to the lowest index), stochastic rows with
-    top-k / top-p / min-p / penalties, one row and many rows, odd vocabularies; then the
-    distribution case (:func:`sample_distribution_case`)."""
-    _only(variant, "sample", ("f32",))
-    shapes = [(1, 50, 2.0), (10, 257, 3.0), (23, 1000, 1.0)]  # (S, V, logit scale)
-    if quick:
-        shapes = shapes[:2]
-    cases = []
-    for i, (n_rows, vocab, scale) in enumerate(shapes):
-        logits = _randn(g, n_rows, vocab, scale=scale)
-        logits[0, 7] = logits[0, 11] = logits[0].max() + 1.0  # an exact tie for the top token of row 0
-        rows = _sample_rows(g, vocab, n_rows, seed=i)
-        cases.append(Case("sample", variant, f"S={n_rows} V={vocab} |logits|~{scale:g}", (logits, rows)))
-    return cases + [sample_distribution_case(variant)]
-
-
-#: Rows of the distribution case: each token's frequency then lies within 0.1 of its
-#: probability except with probability < 2 V exp(-2 * 1024 * 0.1**2) ~ 2e-8 (Hoeffding).
-DISTRIBUTION_ROWS = 1024
-DISTRIBUTION_TOLERANCE = 0.1
-DISTRIBUTION_LOGITS = (2.0, 1.5, 1.0, 0.5, 0.0, -1.0)
-DISTRIBUTION_TEMPERATURE = 0.5
-
-
-def sample_distribution_case(variant: str) -> Case:
-    """``sample``: :data:`DISTRIBUTION_ROWS` copies of one row of logits at temperature
-    :data:`DISTRIBUTION_TEMPERATURE`, each drawn with its own seed. The top token has
-    probability 0.64; a kernel that always takes the argmax (1.0), ignores the temperature
-    (0.42) or multiplies by it (0.29) is off by more than the 0.1 the check allows, which
-    the allowed-token and same-seed checks cannot see."""
-    _only(variant, "sample", ("f32",))
-    logits = torch.tensor(DISTRIBUTION_LOGITS, dtype=torch.float32).repeat(DISTRIBUTION_ROWS, 1)  # [S, V]
-    rows = [SampleRowSpec(DISTRIBUTION_TEMPERATURE, seed=10_000 + i) for i in range(DISTRIBUTION_ROWS)]
-    label = f"distribution S={DISTRIBUTION_ROWS} V={len(DISTRIBUTION_LOGITS)} temperature={DISTRIBUTION_TEMPERATURE:g}"
-    return Case("sample", variant, label, (logits, rows), distribution=True)
 
 
 # ---------------------------------------------------------------------------- registry

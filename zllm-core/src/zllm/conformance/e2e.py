@@ -10,7 +10,7 @@ chunks (a New Prefill, then an Append Prefill) where the reference prefills it a
 Two pass criteria, by the weights the backend receives:
 
 - ``exact`` (every dense weight f32): greedy tokens identical for :data:`NEW_TOKENS` tokens,
-  each sampled by the side's own ``sample`` kernel, and every logit within
+  each the argmax of the side's logits (the runtime sampler's greedy pick), and every logit within
   :data:`EXACT_TOLERANCE` (``|out - ref| <= atol + rtol * |ref|``) at every position.
 - ``top1`` (16-bit or quantized weights, where rounding legitimately flips near-ties): the
   backend is teacher-forced with the reference's tokens, the argmax of its logits must agree
@@ -34,10 +34,11 @@ import torch
 
 from zllm.capabilities import missing_capabilities
 from zllm.capabilities.backend import BackendInfo
-from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+from zllm.capabilities.ops import AttentionMetadata
 from zllm.conformance.kernels import compare, device_unsupported, place_weight, where_raised
 from zllm.conformance.report import E2EResult
 from zllm.domain.family import model_kv_spec
+from zllm.domain.ops import without_retired
 from zllm.engine.loader import resolve_family
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
@@ -174,11 +175,9 @@ class _Side:
         return logits
 
     def greedy(self, logits: torch.Tensor) -> int:
-        """The token this side's ``sample`` kernel picks greedily from f32 ``logits [V]`` (on the side's device)."""
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        row = SamplingRow(0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, empty, empty, None)
-        with torch.inference_mode():
-            return int(self.ops.sample(logits[None, :], [row])[0])
+        """The greedy token of f32 ``logits [V]``: ``argmax``, lowest index on ties, as the
+        runtime's sampler picks it (:mod:`zllm.runtime.sampler`)."""
+        return int(torch.argmax(logits))
 
 
 def _side(family, spec, weights: dict, ops: BoundOps, device: torch.device, n_tokens: int) -> _Side:
@@ -245,7 +244,7 @@ def _check_model(host: PluginHost, info: BackendInfo, backend: Any, source: Mode
         formats = {n: _loaded_format(ckpt.tensor_shape_format(n)[1], dtype) for n in specs if n in present}
     except ZllmError as exc:
         return E2EResult(source.name, path, "failed", detail=f"checkpoint rejected: {exc}")
-    needed = family.required_capabilities(spec, formats)
+    needed = without_retired(family.required_capabilities(spec, formats))
     lacking = missing_capabilities(needed, info.capabilities)
     if lacking:
         return E2EResult(source.name, path, "skipped",

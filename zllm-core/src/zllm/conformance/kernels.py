@@ -5,9 +5,8 @@ kernels) and each variant it is registered for, the cases of :mod:`zllm.conforma
 are run twice: on the backend (inputs moved there as the runtime moves them) and through
 the reference registered under ``reference`` on CPU copies. Outputs, and the KV caches an
 attention kernel writes, are compared element-wise, and every other argument must come back
-unchanged; ``sample`` is compared by its contract instead (greedy rows equal, drawn tokens
-allowed, seeded rows reproducible, token frequencies over many seeds following the
-distribution).
+unchanged. Sampling is no backend op: the runtime's sampler is the core's own
+(:mod:`zllm.runtime.sampler`), tested in the core's suite.
 """
 
 from __future__ import annotations
@@ -21,20 +20,13 @@ import torch
 
 from zllm.capabilities import Capability
 from zllm.capabilities.backend import BackendInfo
-from zllm.capabilities.ops import AttentionMetadata, OpTable, SamplingRow
-from zllm.conformance.cases import DISTRIBUTION_TOLERANCE, Case, NoCases, SampleRowSpec, cases_for
+from zllm.capabilities.ops import AttentionMetadata, OpTable
+from zllm.conformance.cases import Case, NoCases, cases_for
 from zllm.conformance.report import CaseResult
 from zllm.domain.moe import SharedExperts
 from zllm.domain.ops import CORE_OPS
 from zllm.kernels.registry import KernelEntry, KernelRegistry
 from zllm.weights.formats import QuantizedTensor
-
-#: How many seeds each ``sample`` case is drawn with (on the backend, twice each).
-SAMPLE_DRAWS = 4
-# Slack when deciding whether a drawn token survives top-k / top-p / min-p: a kernel may
-# round a threshold differently from the f64 recomputation by a few ulps of f32.
-_SAMPLE_SLACK = 1e-4
-
 
 # ---------------------------------------------------------------------------- moving inputs
 
@@ -84,17 +76,9 @@ def _cloned(a: Any) -> Any:
     return a
 
 
-def _sampling_row(spec: SampleRowSpec, device: torch.device, seed_offset: int) -> SamplingRow:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(spec.seed + seed_offset)
-    return SamplingRow(spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.repetition_penalty,
-                       spec.presence_penalty, spec.frequency_penalty, spec.prompt_token_ids.to(device),
-                       spec.output_token_ids.to(device), generator)
-
-
-def backend_args(case: Case, backend: Any, seed_offset: int = 0) -> list:
+def backend_args(case: Case, backend: Any) -> list:
     """The case's inputs on the backend: weights and caches through ``backend.place()``,
-    activations and metadata to ``backend.device``, sampling generators made there."""
+    activations and metadata to ``backend.device``."""
     device = backend.device
     out: list = []
     for i, a in enumerate(case.args):
@@ -106,21 +90,16 @@ def backend_args(case: Case, backend: Any, seed_offset: int = 0) -> list:
             # Copies even on the CPU: a kernel that writes the metadata must not change the case.
             out.append(AttentionMetadata(a.slot_mapping.to(device, copy=True), a.block_tables.to(device, copy=True),
                                          a.query_lens, a.context_lens, a.scale))
-        elif isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
-            out.append([_sampling_row(r, device, seed_offset) for r in a])
         else:
             out.append(a)
     return out
 
 
-def reference_args(case: Case, seed_offset: int = 0) -> list:
+def reference_args(case: Case) -> list:
     """CPU copies of the case's inputs for the f32 reference (caches copied: it writes them)."""
     out: list = []
     for a in case.args:
-        if isinstance(a, list) and a and isinstance(a[0], SampleRowSpec):
-            out.append([_sampling_row(r, torch.device("cpu"), seed_offset) for r in a])
-        else:
-            out.append(_cloned(a))
+        out.append(_cloned(a))
     return out
 
 
@@ -217,104 +196,6 @@ def compare(outs: list, refs: list, atol: float, rtol: float, devices: list | No
     return not bad, max_abs, max_rel, "; ".join(bad)
 
 
-def allowed_tokens(logits: torch.Tensor, row: SampleRowSpec) -> set[int]:
-    """Tokens a correct kernel may draw for one row: steps 1-7 of :mod:`zllm.domain.sampling`
-    recomputed in f64, each threshold widened by a small slack (a kernel's f32 rounding at a
-    boundary is not an error). ``logits`` f32 ``[V]``; greedy rows return the argmax only."""
-    x = logits.double().clone()  # [V]
-    vocab = x.shape[0]
-    if row.repetition_penalty != 1.0:
-        seen = torch.cat([row.prompt_token_ids, row.output_token_ids]).unique()
-        picked = x[seen]
-        x[seen] = torch.where(picked > 0, picked / row.repetition_penalty, picked * row.repetition_penalty)
-    if row.output_token_ids.numel() and (row.presence_penalty or row.frequency_penalty):
-        counts = torch.bincount(row.output_token_ids, minlength=vocab).double()
-        x = x - (row.frequency_penalty * counts + row.presence_penalty * (counts > 0).double())
-    if row.temperature == 0.0:
-        return {int(torch.argmax(x))}
-    x = x / row.temperature
-    keep = torch.ones(vocab, dtype=torch.bool)
-    if 0 < row.top_k < vocab:
-        kth = torch.topk(x, row.top_k).values[-1]
-        keep &= x >= kth - _SAMPLE_SLACK * max(1.0, float(kth.abs()))
-    probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)
-    if row.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True, stable=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        keep &= torch.zeros(vocab, dtype=torch.bool).scatter(0, order, before < row.top_p + _SAMPLE_SLACK)
-    if row.min_p > 0.0:
-        keep &= probs >= row.min_p * probs.max() * (1 - _SAMPLE_SLACK)
-    return set(torch.nonzero(keep).flatten().tolist())
-
-
-def check_sample(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[bool, str]:
-    """The ``sample`` contract on one case, over :data:`SAMPLE_DRAWS` seeds: greedy rows equal
-    the reference exactly; each drawn token is allowed by top-k / top-p / min-p; the same
-    seeds give the same tokens twice on the backend; the logits come back unchanged. A
-    distribution case goes to :func:`check_sample_distribution`. Returns ``(passed, detail)``."""
-    if case.distribution:
-        return check_sample_distribution(fn, case, backend)
-    logits, specs = case.args
-    greedy = [i for i, r in enumerate(specs) if r.temperature == 0.0]
-    allowed = [allowed_tokens(logits[i], r) for i, r in enumerate(specs)]
-    problems: list[str] = []
-    for draw in range(SAMPLE_DRAWS):
-        args = backend_args(case, backend, draw)
-        first = _tokens(fn(*args), len(specs))
-        second = _tokens(fn(*backend_args(case, backend, draw)), len(specs))
-        ref = ref_fn(*reference_args(case, draw)).tolist()
-        if draw == 0 and changed_inputs(case, args):
-            problems.append("changed its input logits (a kernel writes only its outputs)")
-        for i in range(len(specs)):
-            if i in greedy and first[i] != ref[i]:
-                problems.append(f"greedy row {i}: token {first[i]}, reference {ref[i]}")
-            elif first[i] not in allowed[i]:
-                problems.append(f"row {i} ({_settings(specs[i])}): token {first[i]} is not among the "
-                                f"{len(allowed[i])} tokens the settings allow")
-            if first[i] != second[i]:
-                problems.append(f"row {i}: seed {specs[i].seed + draw} drew {first[i]}, then {second[i]}")
-    if problems:
-        return False, f"{len(problems)} problem(s): " + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
-    n_random = len(specs) - len(greedy)
-    return True, (f"{SAMPLE_DRAWS} seeds: {len(greedy)} greedy rows equal the reference, {n_random} drawn rows "
-                  f"allowed by their settings, same seed -> same tokens")
-
-
-def check_sample_distribution(fn: Callable, case: Case, backend: Any) -> tuple[bool, str]:
-    """A distribution case (:func:`~zllm.conformance.cases.sample_distribution_case`): one
-    draw per row, each row its own seed; every token's frequency must lie within
-    :data:`~zllm.conformance.cases.DISTRIBUTION_TOLERANCE` of its probability
-    ``softmax(logits / temperature)`` (computed in f64). Returns ``(passed, detail)``."""
-    logits, specs = case.args
-    n, vocab = logits.shape
-    tokens = torch.tensor(_tokens(fn(*backend_args(case, backend)), n), dtype=torch.int64)
-    outside = tokens[(tokens < 0) | (tokens >= vocab)]
-    if outside.numel():
-        return False, f"drew token {int(outside[0])}, outside the vocabulary of {vocab}"
-    probs = torch.softmax(logits[0].double() / specs[0].temperature, dim=-1)
-    freqs = torch.bincount(tokens, minlength=vocab).double() / n
-    worst = int((freqs - probs).abs().argmax())
-    summary = (f"token {worst} drawn at frequency {float(freqs[worst]):.3f}, probability {float(probs[worst]):.3f} "
-               f"(temperature {specs[0].temperature:g}, {n} seeds)")
-    if abs(float(freqs[worst] - probs[worst])) > DISTRIBUTION_TOLERANCE:
-        return False, (f"drawn tokens do not follow softmax(logits / temperature): {summary}, off by more than "
-                       f"{DISTRIBUTION_TOLERANCE:g}")
-    return True, f"every token's frequency within {DISTRIBUTION_TOLERANCE:g} of its probability; worst: {summary}"
-
-
-def _tokens(result: Any, n: int) -> list[int]:
-    if not isinstance(result, torch.Tensor) or result.dtype != torch.int64 or tuple(result.shape) != (n,):
-        desc = f"{result.dtype} {tuple(result.shape)}" if isinstance(result, torch.Tensor) else type(result).__name__
-        raise TypeError(f"sample returned {desc}, expected int64 [{n}]")
-    return result.cpu().tolist()
-
-
-def _settings(r: SampleRowSpec) -> str:
-    parts = [f"temperature={r.temperature:g}"]
-    parts += [f"{k}={getattr(r, k):g}" for k in ("top_k", "top_p", "min_p") if getattr(r, k) not in (0, 1.0, -1)]
-    return " ".join(parts)
-
-
 # ---------------------------------------------------------------------------- running
 
 
@@ -323,9 +204,6 @@ def run_case(fn: Callable, ref_fn: Callable, case: Case, backend: Any) -> tuple[
     An exception from the kernel is a failure whose detail names it; so is an argument other
     than the KV caches an attention kernel writes (:func:`changed_inputs`) changed by the call."""
     try:
-        if case.op == "sample":
-            passed, detail = check_sample(fn, ref_fn, case, backend)
-            return passed, None, None, detail
         dev_args = backend_args(case, backend)
         outs = _tensors(fn(*dev_args)) + [dev_args[i] for i in case.written]
         devices = [o.device if isinstance(o, torch.Tensor) else None for o in outs]
@@ -444,7 +322,5 @@ def _check_entry_variant(registry: KernelRegistry, entry: KernelEntry, variant: 
     out = []
     for case in cases:
         passed, max_abs, max_rel, detail = run_case(fn, ref_fn, case, backend)
-        exact = case.op == "sample"
-        out.append(result(case.label, passed, max_abs, max_rel, detail,
-                          None if exact else case.atol, None if exact else case.rtol))
+        out.append(result(case.label, passed, max_abs, max_rel, detail, case.atol, case.rtol))
     return out

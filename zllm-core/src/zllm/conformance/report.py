@@ -26,11 +26,11 @@ class CaseResult:
         kernel: the registry's name of the kernel (``module:function``).
         capability: ``op[variant]`` it was run as.
         case: what the case covers (shapes, layout, batch kind).
-        status: ``passed`` (every element within tolerance; ``sample``: the contract held),
+        status: ``passed`` (every element within tolerance),
             ``failed``, or ``skipped`` (the backend instance says its device cannot run this
             capability: ``unsupported_capabilities()``; ``detail`` is its reason).
         max_abs_err, max_rel_err: measured errors; ``inf`` when the kernel raised or returned
-            the wrong shape/dtype/device; None for ``sample`` (compared by contract).
+            the wrong shape/dtype/device.
         atol, rtol: the tolerance applied (None for exact/contract checks).
         detail: why it failed, or what a contract check verified.
         priority, batch_invariant: as registered.

@@ -46,6 +46,19 @@ CORE_OPS: OpTable = collect_ops()
 #: names equal capability op names.
 CORE_CAPABILITIES: frozenset[Capability] = CORE_OPS.capabilities
 
+#: Ops the core once declared and took back, each with what does its job now. A plugin
+#: written for an older plugin API may still declare or need one: the plugin host drops
+#: such a backend capability and its kernels with a warning, and a family's need of one
+#: is met by the core (:func:`without_retired`), so the plugin keeps loading.
+RETIRED_OPS: dict[str, str] = {
+    "sample": "since plugin API 1.2 the runtime's sampler (zllm.runtime.sampler) samples every backend's logits",
+}
+
+
+def without_retired(capabilities: frozenset[Capability]) -> frozenset[Capability]:
+    """``capabilities`` less those of :data:`RETIRED_OPS` (a family's needs, a backend's declaration)."""
+    return frozenset(c for c in capabilities if c.op not in RETIRED_OPS)
+
 
 def register_references(registry: KernelRegistry, ops: OpTable = CORE_OPS) -> None:
     """Register the f32 reference of every variant of every op in ``ops`` on ``registry``

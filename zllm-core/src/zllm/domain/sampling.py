@@ -1,4 +1,9 @@
-"""f32 reference of token sampling, one row (sequence) at a time.
+"""f32 reference of token sampling, one row (sequence) at a time: the oracle of the runtime's sampler.
+
+Sampling is not a backend op: :mod:`zllm.runtime.sampler` samples every backend's logits,
+batched, and is tested against this row-at-a-time reference bit for bit. The reference
+leaves out what the runtime adds around the same math — the logits mask (applied first,
+disallowed tokens ``-inf``) and the reported logprobs.
 
 Dimension legend: ``S`` sequences (rows), ``V`` vocabulary.
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from zllm.capabilities.ops import OpDeclaration, SamplingRow
+from zllm.capabilities.ops import SamplingRow
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -85,11 +90,3 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         [sample_row(logits[s], rows[s]) for s in range(len(rows))], dtype=torch.int64, device=logits.device
     )
 
-
-OPS = (
-    OpDeclaration(
-        name="sample", variants=("f32",), args=("logits", "params"),
-        signature="(logits f32 [S, V], params list[SamplingRow]) -> int64 [S]",
-        reference="zllm.domain.sampling:sample", cases="zllm.conformance.cases:sample_cases",
-    ),
-)

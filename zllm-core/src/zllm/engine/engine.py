@@ -33,6 +33,7 @@ from zllm.spec.request import (
     GenerationRequest,
     make_delta_event,
     make_final_event,
+    make_logprobs,
     make_response,
     parse_request,
 )
@@ -70,6 +71,7 @@ class Engine:
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
             device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
+            batch_invariant=cfg.runtime.batch_invariant,
         )
         self.loop = EngineLoop(self.llm)
         """The thread that owns ``llm`` and steps it (:class:`zllm.engine.loop.EngineLoop`);
@@ -215,9 +217,18 @@ class Engine:
         handle = self.submit(req, deadline=deadline)
         return EventStream(handle, self._stream_events(handle, answer))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs: "" for a padded logits column outside the vocabulary."""
+        if token_id >= self.tokenizer.vocab_size:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, seq: Sequence, entries) -> list[dict[str, Any]] | None:
+        return None if seq.request.logprobs is None else make_logprobs(entries, self.token_text)
+
     def _stream_events(self, handle: RequestHandle, answer: ChatAnswer) -> Iterator[dict[str, Any]]:
         for out in self._outputs(handle):
-            yield from _step_events(out, answer)
+            yield from _step_events(out, answer, self._logprobs)
 
     def agenerate_stream(self, request: dict[str, Any] | GenerationRequest, *,
                          deadline: float | None = None) -> AsyncEventStream:
@@ -244,12 +255,14 @@ class Engine:
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
         answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
         handle = self.submit(req, deadline=deadline)
-        text = "".join(out.text for out in self._outputs(handle))
+        outputs = list(self._outputs(handle))
+        text = "".join(out.text for out in outputs)
         answer.delta(text, final=True)
         seq = handle.seq
         assert seq is not None
         return make_response(text, list(seq.output_ids), answer.finish_reason(_finish_reason(seq)),
-                             handle.prompt_tokens, len(seq.output_ids), seq.cached_tokens, **answer.whole())
+                             handle.prompt_tokens, len(seq.output_ids), seq.cached_tokens, **answer.whole(),
+                             logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]))
 
 
 class EventStream(Iterator[dict[str, Any]]):
@@ -305,7 +318,7 @@ class AsyncEventStream:
             while True:
                 out = await handle.aget()
                 _check_expired(out)
-                for event in _step_events(out, answer):
+                for event in _step_events(out, answer, engine._logprobs):
                     yield event
                 if out.finished:
                     return
@@ -322,17 +335,20 @@ def _check_expired(out: StepOutput) -> None:
         raise DeadlineExceeded(queued=seq.finish_reason == EXPIRED_WAITING, output_tokens=len(seq.output_ids))
 
 
-def _step_events(out: StepOutput, answer: ChatAnswer) -> list[dict[str, Any]]:
+def _step_events(out: StepOutput, answer: ChatAnswer,
+                 logprobs: Callable[[Sequence, Any], list[dict[str, Any]] | None]) -> list[dict[str, Any]]:
     """The stream events of one step output: a delta when it carries text or tokens; after
-    the finished output, what the answer parser held back and the final event."""
+    the finished output, what the answer parser held back and the final event. ``logprobs``
+    shapes a sequence's logprob entries (None when its request asked for none)."""
     events = []
     if out.text or out.token_ids:
-        events.append(make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text)))
+        events.append(make_delta_event(out.text, list(out.token_ids), **answer.delta(out.text),
+                                       logprobs=logprobs(out.seq, out.logprobs)))
     if out.finished:
         seq = out.seq
         last = answer.delta("", final=True)
         if last["content"] or last["reasoning_content"] or last["tool_calls"]:
-            events.append(make_delta_event("", [], **last))
+            events.append(make_delta_event("", [], **last, logprobs=logprobs(seq, ())))
         events.append(make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids),
                                        len(seq.output_ids), seq.cached_tokens, **answer.whole()))
     return events

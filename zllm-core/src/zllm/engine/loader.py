@@ -20,6 +20,7 @@ from zllm.capabilities import Capability
 from zllm.capabilities.backend import Backend
 from zllm.domain.family import FamilyInfo, model_kv_spec
 from zllm.domain.kv_cache import KVCacheSpec
+from zllm.domain.ops import without_retired
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
@@ -123,7 +124,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
         if name not in present and not tspec.optional:
             raise TensorError(str(ckpt.path), name, "missing from the checkpoint")
     formats = {n: _stored_format(ckpt.tensor_shape_format(n)[1], cfg.model.dtype) for n in specs if n in present}
-    needed = family.required_capabilities(spec, formats)
+    needed = without_retired(family.required_capabilities(spec, formats))
     choice = select_backend(host, cfg.backend.name, needed, info.name)
     backend = choice.cls(threads=cfg.backend.threads)
     check_backend_instance(backend, choice.info.name)

@@ -120,6 +120,12 @@ class KernelRegistry:
             slot.append(entry)
             slot.sort(key=lambda e: -e.priority)
 
+    def drop(self, op: str) -> list[KernelEntry]:
+        """Remove every kernel registered for ``op``; return them (the plugin host drops the
+        kernels of a retired op this way)."""
+        dropped = {id(e): e for key in [k for k in self._entries if k[0] == op] for e in self._entries.pop(key)}
+        return list(dropped.values())
+
     def registered(self, op: str, *, batch_invariant: bool = False) -> list[str]:
         """``backend/format`` strings registered for ``op`` (only batch-invariant kernels
         when ``batch_invariant``), sorted."""

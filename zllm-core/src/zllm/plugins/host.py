@@ -18,7 +18,7 @@ import pluggy
 from zllm.capabilities.backend import BackendInfo
 from zllm.capabilities.ops import OpTable
 from zllm.domain.family import FamilyInfo
-from zllm.domain.ops import CORE_OPS, register_references
+from zllm.domain.ops import CORE_OPS, RETIRED_OPS, register_references, without_retired
 from zllm.kernels.registry import KernelRegistry
 from zllm.plugins import hookspecs
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION
@@ -126,6 +126,8 @@ class PluginHost:
         self._gguf_owner: dict[str, str] = {}
         self._collect()
         self.pm.hook.zllm_register_kernels(registry=self.kernels)
+        for op in RETIRED_OPS:
+            self.kernels.drop(op)
 
     def _load(self, ep: metadata.EntryPoint) -> None:
         dist = ep.dist
@@ -167,6 +169,13 @@ class PluginHost:
         for impl in self.pm.hook.zllm_backends.get_hookimpls():
             backends: list[BackendInfo] = impl.function() or []  # type: ignore[assignment]  # pluggy types results as object
             for info in backends:
+                retired = sorted(map(str, info.capabilities - without_retired(info.capabilities)))
+                if retired:
+                    why = "; ".join(f"{op}: {RETIRED_OPS[op]}" for op in sorted({c.split("[")[0] for c in retired}))
+                    warnings.warn(f"zllm plugin {impl.plugin_name!r}: backend {info.name!r} declares "
+                                  f"{', '.join(retired)}, which the core no longer takes from backends ({why}); "
+                                  "ignored", PluginWarning, stacklevel=2)
+                    info = attrs.evolve(info, capabilities=without_retired(info.capabilities))
                 if info.name in self.backends:
                     raise PluginError(f"backend {info.name!r} is published by two plugins: "
                                       f"{self._owner(info.name, 'backend')} and {impl.plugin_name}")

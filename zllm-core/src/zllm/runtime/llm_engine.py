@@ -14,7 +14,8 @@ import attrs
 import torch
 
 from zllm.runtime.kv_cache import PagedKVCache
-from zllm.runtime.runner import ModelRunner
+from zllm.runtime.runner import ModelRunner, Sampled
+from zllm.runtime.sampler import TokenLogprob
 from zllm.runtime.scheduler import Scheduler
 from zllm.runtime.sequence import Sequence
 from zllm.spec.errors import ContextLengthError, RequestError
@@ -32,12 +33,15 @@ class StepOutput:
             character is held back).
         token_ids: tokens that belong to the output from this step (a stop token is not one).
         finished: True on the sequence's last output; ``seq.finish_reason`` is then set.
+        logprobs: one entry per ``token_ids`` entry when the request asked for logprobs,
+            else empty.
     """
 
     seq: Sequence
     text: str
     token_ids: tuple[int, ...]
     finished: bool
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class LLMEngine:
@@ -45,7 +49,7 @@ class LLMEngine:
 
     Args:
         model: a built model (see ``zllm.domain.family.Model``).
-        ops: the model's bound kernels (``sample`` is used here).
+        ops: the model's bound kernels.
         tokenizer: a ``zllm.tokenizer.Tokenizer``.
         kv: the paged KV cache sized for this model.
         eos_token_ids: ids that end generation (from generation config / GGUF / config).
@@ -53,15 +57,16 @@ class LLMEngine:
             settings (``zllm.runtime.scheduler``).
         context_length: the context window in tokens.
         device: where batch tensors go.
+        batch_invariant: sample each row on its own (config ``runtime.batch_invariant``).
     """
 
     def __init__(self, model, ops, tokenizer, kv: PagedKVCache, eos_token_ids: frozenset[int], *,
                  max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int, context_length: int,
-                 device: torch.device, max_batch_tokens: int | None = None):
+                 device: torch.device, max_batch_tokens: int | None = None, batch_invariant: bool = False):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
-        self.runner = ModelRunner(model, ops, kv, device)
+        self.runner = ModelRunner(model, ops, kv, device, batch_invariant)
         self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens)
         self._ids = itertools.count()
 
@@ -105,10 +110,10 @@ class LLMEngine:
         if scheduled is None:
             return outputs
         now = time.perf_counter()
-        for seq, token in self.runner.execute(scheduled):
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            outputs.append(self._accept(seq, token))
+        for sampled in self.runner.execute(scheduled):
+            if sampled.seq.first_token_time is None:
+                sampled.seq.first_token_time = now
+            outputs.append(self._accept(sampled))
         return outputs
 
     def abort(self, seq: Sequence) -> None:
@@ -126,22 +131,23 @@ class LLMEngine:
             raise ContextLengthError(len(prompt_ids), self.context_length)
         return self.runner.prompt_logits(prompt_ids)
 
-    def _accept(self, seq: Sequence, token: int) -> StepOutput:
+    def _accept(self, sampled: Sampled) -> StepOutput:
+        seq, token = sampled.seq, sampled.token_id
         if token in seq.stop_token_ids:
             return self._finish(seq, "stop", "", ())
         seq.output_ids.append(token)
+        logprobs = () if sampled.logprob is None else (sampled.logprob,)
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.push([token]))
         if stopped:
-            return self._finish(seq, "stop", text, (token,), flush=False)
+            return self._finish(seq, "stop", text, (token,), logprobs, flush=False)
         cap = self.scheduler.max_tokens_per_seq  # a sequence that fills the whole KV pool stops there
         if (len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length
                 or (cap is not None and seq.num_tokens >= cap)):
-            return self._finish(seq, "length", text, (token,))
-        return StepOutput(seq, text, (token,), False)
+            return self._finish(seq, "length", text, (token,), logprobs)
+        return StepOutput(seq, text, (token,), False, logprobs)
 
-    def _finish(
-        self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...], flush: bool = True
-    ) -> StepOutput:
+    def _finish(self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...],
+                logprobs: tuple[TokenLogprob, ...] = (), flush: bool = True) -> StepOutput:
         """End ``seq``. Unless a stop string ended it, release what was held back: an
         incomplete UTF-8 tail and a tail that only looked like the start of a stop string."""
         if flush:
@@ -149,4 +155,4 @@ class LLMEngine:
             text += tail if stopped else tail + seq.stop_matcher.flush()
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        return StepOutput(seq, text, token_ids, True)
+        return StepOutput(seq, text, token_ids, True, logprobs)

@@ -7,18 +7,24 @@ longest block table among them.
 Per-step host work is kept small because it is paid on every decode round: the step's
 integer inputs (token ids, positions, slots, logits rows and the block table) travel to
 the device as one int64 tensor whose slices are the model's inputs (one allocation and one
-copy instead of five), and a step whose sampling rows are all greedy without penalties
-takes ``argmax`` of the logits directly — what the sampling contract defines greedy as
-(``zllm.domain.sampling``, step 3; vLLM's all-greedy fast path) — skipping the sampler's
-copy of the logits and the per-row settings.
+copy instead of five), and a step whose sampling rows are all greedy without penalties,
+mask or logprobs takes ``argmax`` of the logits directly — what the sampling contract
+defines greedy as (``zllm.domain.sampling``, step 3; vLLM's all-greedy fast path) —
+skipping the sampler's copy of the logits and the per-row settings.
+
+Tokens are sampled by the runtime's one sampler (:mod:`zllm.runtime.sampler`), never by a
+backend kernel, so a seeded request draws the same tokens on every backend that computes
+the same logits.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
+from zllm.runtime.sampler import Sampler, TokenLogprob
 from zllm.runtime.scheduler import ScheduledStep
 from zllm.runtime.sequence import Sequence
 
@@ -35,22 +41,39 @@ TOP_P_MIN = 1e-30
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
-def _is_plain_greedy(r) -> bool:
-    """Whether a request samples ``argmax(logits)``: greedy temperature and no penalty."""
+def _is_plain_greedy(seq: Sequence) -> bool:
+    """Whether a sequence samples ``argmax(logits)`` and reports nothing else: greedy
+    temperature, no penalty, no logits mask, no logprobs."""
+    r = seq.request
     return (r.temperature < GREEDY_BELOW and r.repetition_penalty == 1.0 and r.presence_penalty == 0.0
-            and r.frequency_penalty == 0.0)
+            and r.frequency_penalty == 0.0 and r.logprobs is None and seq.logits_mask is None)
+
+
+@attrs.frozen
+class Sampled:
+    """One sequence's result of a step: its token and, when the request asked, its logprobs."""
+
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 class ModelRunner:
     """Owns the model, its bound kernels and the KV cache of one engine."""
 
-    def __init__(self, model, ops, kv: PagedKVCache, device: torch.device):
+    def __init__(self, model, ops, kv: PagedKVCache, device: torch.device, batch_invariant: bool = False):
         self.model, self.ops, self.kv, self.device = model, ops, kv, device
         self.scale = kv.spec.attention_scale  # the family's, not derived from a cached width
+        self.sampler = Sampler(batch_invariant=batch_invariant)
 
-    def execute(self, step: ScheduledStep) -> list[tuple[Sequence, int]]:
-        """Compute the step's tokens; return ``(sequence, sampled token)`` for every sequence
-        whose computed span reached its last token."""
+    def execute(self, step: ScheduledStep) -> list[Sampled]:
+        """Compute the step's tokens; return one :class:`Sampled` for every sequence whose
+        computed span reached its last token.
+
+        Raises:
+            ValueError: a sequence's ``logits_mask`` hook returned a bad mask
+                (:func:`zllm.runtime.sampler.apply_masks`).
+        """
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -69,11 +92,32 @@ class ModelRunner:
                                    tuple(n for _, n in step.items), logits_rows)  # [S', V]
             if not sampling:
                 return []
-            if all(_is_plain_greedy(s.request) for s in sampling):
+            if all(_is_plain_greedy(s) for s in sampling):
                 tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
-            else:
-                tokens = self.ops.sample(logits, [self._sampling_row(s) for s in sampling])  # [S']
-        return list(zip(sampling, tokens.tolist(), strict=True))
+                return [Sampled(s, t) for s, t in zip(sampling, tokens.tolist(), strict=True)]
+            masks = [s.logits_mask(s) if s.logits_mask is not None else None for s in sampling]
+            wanted = [s.request.logprobs for s in sampling]
+            top = max((n for n in wanted if n is not None), default=0)
+            out = self.sampler(logits, [self._sampling_row(s) for s in sampling],
+                               masks=masks if any(m is not None for m in masks) else None,
+                               logprobs=any(n is not None for n in wanted), top_logprobs=top)
+        return self._results(sampling, wanted, out)
+
+    @staticmethod
+    def _results(sampling: list[Sequence], wanted: list[int | None], out) -> list[Sampled]:
+        """Host values of a sampler call: one read of each output tensor for the whole step."""
+        tokens = out.token_ids.tolist()
+        if out.logprobs is None:
+            return [Sampled(s, t) for s, t in zip(sampling, tokens, strict=True)]
+        chosen = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in sampling]
+        top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in sampling]
+        results = []
+        for i, (seq, n) in enumerate(zip(sampling, wanted, strict=True)):
+            logprob = None if n is None else TokenLogprob(
+                tokens[i], chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+            results.append(Sampled(seq, tokens[i], logprob))
+        return results
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """f32 ``[P, V]`` logits for every prompt position, through a throwaway KV handle."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,11 @@ class Sequence:
     ``deadline`` is a :func:`time.monotonic` time (seconds) after which the scheduler drops
     the sequence, queued or running (:meth:`zllm.runtime.scheduler.Scheduler.expire`); None
     = no limit.
+
+    ``logits_mask`` is the hook a constraint (a grammar's matcher) sets: called with the
+    sequence before each of its tokens is sampled, it returns the tokens allowed next —
+    bool ``[V]`` or a packed int32 bitmask sized to the model's logits
+    (:func:`zllm.runtime.sampler.apply_masks`) — or None for no constraint at that token.
     """
 
     def __init__(self, seq_id: int, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int,
@@ -48,6 +54,7 @@ class Sequence:
         self.prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int64)
         self.first_token_time: float | None = None
         self.deadline: float | None = None
+        self.logits_mask: Callable[[Sequence], torch.Tensor | None] | None = None
 
     @property
     def num_computed(self) -> int:

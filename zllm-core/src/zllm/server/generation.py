@@ -157,15 +157,19 @@ class EngineStream:
 
 
 async def run_to_end(stream: EngineStream, request) -> tuple[str, dict[str, Any]]:
-    """Collect a whole generation for a non-streamed response: ``(text, final event)``.
+    """Collect a whole generation for a non-streamed response: ``(text, final event)``, the
+    final event with ``logprobs``: every delta's, concatenated (None when not asked for).
     Stops (and frees the sequence) if the client disconnects meanwhile."""
     parts: list[str] = []
+    logprobs: list[dict[str, Any]] | None = None
     events = stream.events()
     try:
         async for event in events:
             if event["type"] == "final":
-                return "".join(parts), event
+                return "".join(parts), {**event, "logprobs": logprobs}
             parts.append(event["text"])
+            if event["logprobs"] is not None:
+                logprobs = (logprobs or []) + event["logprobs"]
             if await request.is_disconnected():
                 break
     finally:

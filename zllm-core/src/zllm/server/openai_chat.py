@@ -18,6 +18,7 @@ from starlette.requests import Request
 from zllm.server.common import SamplingFields, StrictModel, new_id, openai_usage, reject_if, sse, sse_response, state
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
+from zllm.server.logprobs import chat_logprobs
 from zllm.server.openai_completions import StreamOptions
 
 router = APIRouter()
@@ -75,7 +76,7 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: str | None = None
 
 
-RENAMES = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
+RENAMES = {"prompt": "messages", "max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
 
 
 def message_text(content: str | list[TextPart] | None) -> str:
@@ -121,7 +122,7 @@ def engine_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
     if body.n not in (None, 1):
         raise ApiError(400, "n: only n = 1 is supported", param="n", code="unsupported_parameter")
-    for field in ("logprobs", "top_logprobs", "logit_bias", "functions", "function_call", "response_format",
+    for field in ("logit_bias", "functions", "function_call", "response_format",
                   "reasoning_effort", "audio", "prediction", "web_search_options"):
         reject_if(getattr(body, field), field)
     if body.modalities not in (None, ["text"]):
@@ -131,6 +132,10 @@ def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
                        param="max_tokens", code="invalid_value")
     req = body.engine_fields()
     req["messages"] = engine_messages(body.messages)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+    if body.logprobs:
+        req["logprobs"] = 0 if body.top_logprobs is None else body.top_logprobs
     # The engine checks tools and tool_choice (names, known tool, constrained decoding).
     for field in ("tools", "tool_choice", "parallel_tool_calls"):
         if getattr(body, field) is not None:
@@ -154,7 +159,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         _, final = await run_to_end(stream, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
                 "choices": [{"index": 0, "message": assistant_message(final),
-                             "finish_reason": final["finish_reason"], "logprobs": None}],
+                             "finish_reason": final["finish_reason"],
+                             "logprobs": None if final["logprobs"] is None else chat_logprobs(final["logprobs"])}],
                 "usage": openai_usage(final)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -172,8 +178,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         async for event in stream.events():
             if event["type"] == "delta":
                 delta = stream_delta(event)
-                if delta:
-                    yield sse(chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]))
+                logprobs = None if not event["logprobs"] else chat_logprobs(event["logprobs"])
+                if delta or logprobs:
+                    yield sse(chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs}]))
                 continue
             yield sse(chunk([{"index": 0, "delta": {}, "finish_reason": event["finish_reason"], "logprobs": None}]))
             if include_usage:

@@ -8,13 +8,28 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import anyio
 from fastapi import APIRouter
 from pydantic import Field
 from starlette.requests import Request
 
-from zllm.server.common import SamplingFields, StrictModel, new_id, openai_usage, reject_if, sse, sse_response, state
+from zllm.runtime.kv_cache import OutOfKVBlocks
+from zllm.runtime.sampler import prompt_logprobs
+from zllm.server.common import (
+    SamplingFields,
+    ServerState,
+    StrictModel,
+    new_id,
+    openai_usage,
+    reject_if,
+    sse,
+    sse_response,
+    state,
+)
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
+from zllm.server.logprobs import completion_logprobs
+from zllm.spec.request import make_logprobs
 
 router = APIRouter()
 
@@ -50,8 +65,6 @@ def engine_request(body: CompletionRequest) -> dict[str, Any]:
         raise ApiError(400, "n: only n = 1 is supported", param="n", code="unsupported_parameter")
     if body.best_of not in (None, 1):
         raise ApiError(400, "best_of: only best_of = 1 is supported", param="best_of", code="unsupported_parameter")
-    reject_if(body.echo, "echo")
-    reject_if(body.logprobs, "logprobs")
     reject_if(body.logit_bias, "logit_bias")
     reject_if(body.suffix, "suffix")
     prompt = body.prompt
@@ -72,14 +85,42 @@ def engine_request(body: CompletionRequest) -> dict[str, Any]:
         req["max_tokens"] = body.max_tokens
     if body.stop is not None:
         req["stop"] = body.stop
+    if body.logprobs is not None:
+        req["logprobs"] = body.logprobs
     return req
+
+
+async def _echo(st: ServerState, req: dict[str, Any],
+                body: CompletionRequest) -> tuple[str, list[dict[str, Any]] | None]:
+    """``echo``: the prompt's text (the prompt string as sent, or the decoded token ids) and,
+    with ``logprobs``, its tokens' entries — the first token's logprob and top_logprobs null,
+    the others from one forward over the prompt (:meth:`zllm.Engine.prompt_logits`)."""
+    engine = st.engine
+
+    def compute() -> tuple[str, list[dict[str, Any]] | None]:
+        parsed = engine.parse(req)
+        ids = engine.prompt_ids(parsed)
+        text = parsed.prompt if parsed.prompt is not None else engine.tokenizer.decode(ids, skip_special_tokens=False)
+        if body.logprobs is None:
+            return text, None
+        try:
+            logits = engine.prompt_logits(ids)
+        except OutOfKVBlocks as exc:
+            raise ApiError(503, f"echo: the KV cache has no room to score the prompt now ({exc}); retry later",
+                           param="echo", code="server_busy") from None
+        rest = make_logprobs(prompt_logprobs(logits, ids, body.logprobs), engine.token_text)
+        first = {"token_id": ids[0], "token": engine.token_text(ids[0]), "logprob": None, "top_logprobs": None}
+        return text, [first, *rest]
+
+    return await anyio.to_thread.run_sync(compute)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     st = state(request)
     st.check_model(body.model)
-    stream = await EngineStream.open(st, request, engine_request(body), RENAMES)
+    req = engine_request(body)
+    stream = await EngineStream.open(st, request, req, RENAMES)
     cid, created = new_id("cmpl-"), int(time.time())
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage_key: bool = False):
@@ -89,19 +130,33 @@ async def completions(body: CompletionRequest, request: Request):
             out["usage"] = usage
         return out
 
+    try:
+        echo_text, echo_logprobs = await _echo(st, req, body) if body.echo else ("", None)
+    except BaseException:
+        await stream.aclose()  # free the queued request: the error answers it
+        raise
+
     if not body.stream:
         text, final = await run_to_end(stream, request)
-        return chunk([{"index": 0, "text": text, "finish_reason": final["finish_reason"], "logprobs": None}],
-                     openai_usage(final), True)
+        logprobs = None if final["logprobs"] is None else completion_logprobs(final["logprobs"], 0, echo_logprobs)
+        return chunk([{"index": 0, "text": echo_text + text, "finish_reason": final["finish_reason"],
+                       "logprobs": logprobs}], openai_usage(final), True)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events():
+        offset = sum(len(e["token"]) for e in echo_logprobs or ())
+        if body.echo:
+            logprobs = None if body.logprobs is None else completion_logprobs([], 0, echo_logprobs)
+            yield sse(chunk([{"index": 0, "text": echo_text, "finish_reason": None, "logprobs": logprobs}],
+                            None, include_usage))
         async for event in stream.events():
             if event["type"] == "delta":
-                if event["text"]:
-                    yield sse(chunk([{"index": 0, "text": event["text"], "finish_reason": None, "logprobs": None}],
-                                    None, include_usage))
+                if event["text"] or event["logprobs"]:
+                    logprobs = None if event["logprobs"] is None else completion_logprobs(event["logprobs"], offset)
+                    yield sse(chunk([{"index": 0, "text": event["text"], "finish_reason": None,
+                                      "logprobs": logprobs}], None, include_usage))
+                    offset += sum(len(e["token"]) for e in event["logprobs"] or ())
                 continue
             yield sse(chunk([{"index": 0, "text": "", "finish_reason": event["finish_reason"], "logprobs": None}],
                             None, include_usage))

@@ -36,7 +36,15 @@ stop_token_ids         list of ints >= 0                  stop_token_ids
 add_bos                bool (alias add_special_tokens)    add_bos
 ignore_eos             bool; true = EOS ids do not stop  — (false)
                        (only stop / stop_token_ids do)
+logprobs               int in [0, 20]: report each        — (null: none)
+                       output token's logprob and the
+                       n most likely alternatives
 =====================  =================================  ====================================
+
+Logprobs are natural logs of the **raw model distribution** (``log_softmax`` of the model's
+logits, before penalties, temperature, top-k/p, min-p and any logits mask, as vLLM reports
+by default), floored at ``-9999.0`` so that ``-inf`` stays valid JSON
+(:data:`zllm.runtime.sampler.LOGPROB_FLOOR`). See :func:`make_logprobs` for their shape.
 
 ``messages`` is a conversation that the model's chat template turns into the prompt (the
 engine ends it with the template's generation prompt); special-token text inside a message's
@@ -111,6 +119,12 @@ def _request_field(check: Check, default: Any = attrs.NOTHING, converter: Callab
 
 
 BOOL = Check("true or false", lambda v: isinstance(v, bool))
+
+MAX_LOGPROBS = 20
+"""The most alternatives per token ``logprobs`` may ask for (OpenAI's ``top_logprobs`` limit)."""
+
+LOGPROBS = Check(f"an int in [0, {MAX_LOGPROBS}]",
+                 lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS)
 
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 _MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
@@ -345,6 +359,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = _request_field(TOKEN_IDS, converter=to_tuple)
     add_bos: bool | None = _request_field(OPTIONAL_BOOL)
     ignore_eos: bool = _request_field(BOOL, False)
+    logprobs: int | None = _request_field(LOGPROBS.or_null(), None)
 
     def __attrs_post_init__(self) -> None:
         given = [name for name in _PROMPT_FORMS if getattr(self, name) is not None]
@@ -398,8 +413,8 @@ _DEFAULTED_FIELDS = {
 }
 _ALIASES = {"add_special_tokens": "add_bos"}  # vLLM's and HF's name for the same switch
 _ACCEPTED_FIELDS = tuple(f.name for f in attrs.fields(GenerationRequest)) + tuple(_ALIASES)
-assert set(_DEFAULTED_FIELDS) | {*_PROMPT_FORMS, "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"} == {
-    f.name for f in attrs.fields(GenerationRequest)}
+_UNDEFAULTED_FIELDS = {*_PROMPT_FORMS, "ignore_eos", "tools", "tool_choice", "parallel_tool_calls", "logprobs"}
+assert set(_DEFAULTED_FIELDS) | _UNDEFAULTED_FIELDS == {f.name for f in attrs.fields(GenerationRequest)}
 
 
 def parse_request(data: Mapping[str, Any], defaults: GenerationDefaults) -> GenerationRequest:
@@ -452,6 +467,23 @@ def _answer(text: str, content: str | None, reasoning_content: str,
             "tool_calls": [dict(c) for c in tool_calls]}
 
 
+def make_logprobs(entries: Sequence[Any], token_text: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The JSON of output tokens' logprobs, one object per token, in output order.
+
+    Args:
+        entries: per token, an object with ``token_id`` (int), ``logprob`` (float) and
+            ``top`` (``(token id, logprob)`` pairs, most likely first) — the runtime's
+            ``TokenLogprob``.
+        token_text: a token id's text (the tokenizer's decoding of that one token).
+
+    Returns:
+        ``[{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token", "logprob"}]}]``.
+    """
+    return [{"token_id": e.token_id, "token": token_text(e.token_id), "logprob": e.logprob,
+             "top_logprobs": [{"token_id": t, "token": token_text(t), "logprob": lp} for t, lp in e.top]}
+            for e in entries]
+
+
 def make_response(
     text: str,
     token_ids: Sequence[int],
@@ -463,6 +495,7 @@ def make_response(
     content: str | None = None,
     reasoning_content: str = "",
     tool_calls: Sequence[Mapping[str, str]] = (),
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON result of a finished, non-streamed request.
 
@@ -477,10 +510,12 @@ def make_response(
             calls); None = all of ``text``.
         reasoning_content: the ``<think>`` (or analysis-channel) text, "" for none.
         tool_calls: ``{"id", "name", "arguments"}`` per call, ``arguments`` JSON text.
+        logprobs: :func:`make_logprobs` of every generated token, or None when the request
+            did not ask for them.
 
     Returns:
         ``{"text", "token_ids", "finish_reason", "content", "reasoning_content", "tool_calls",
-        "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"}}``.
+        "logprobs", "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"}}``.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
@@ -488,12 +523,14 @@ def make_response(
         "token_ids": list(token_ids),
         "finish_reason": finish_reason,
         **_answer(text, content, reasoning_content, tool_calls),
+        "logprobs": logprobs,
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
 def make_delta_event(text: str, token_ids: Sequence[int], *, content: str | None = None, reasoning_content: str = "",
-                     tool_calls: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+                     tool_calls: Sequence[Mapping[str, Any]] = (),
+                     logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A stream event carrying newly generated text and the token ids behind it.
 
     ``text`` may be empty while a multi-byte character is incomplete; concatenating every
@@ -502,12 +539,15 @@ def make_delta_event(text: str, token_ids: Sequence[int], *, content: str | None
     ``{"index", "id", "name", "arguments"}`` call pieces: ``id`` and ``name`` on a call's
     first piece only, else None; ``arguments`` fragments concatenate); ``content`` None =
     ``text``. A parser may hold text back, so a delta's ``content`` can lag its ``text``.
+    ``logprobs`` is :func:`make_logprobs` of this delta's ``token_ids`` (None when the
+    request did not ask for logprobs).
 
     Returns:
-        ``{"type": "delta", "text", "token_ids", "content", "reasoning_content", "tool_calls"}``.
+        ``{"type": "delta", "text", "token_ids", "content", "reasoning_content", "tool_calls",
+        "logprobs"}``.
     """
     return {"type": "delta", "text": text, "token_ids": list(token_ids),
-            **_answer(text, content, reasoning_content, tool_calls)}
+            **_answer(text, content, reasoning_content, tool_calls), "logprobs": logprobs}
 
 
 def make_final_event(

@@ -184,6 +184,5 @@ def _capabilities(
             Capability("rms_norm", "f32"),
             Capability("add_rms_norm", "f32"),
             Capability("silu_mul", "f32"),
-            Capability("sample", "f32"),
         }
     )

@@ -228,6 +228,5 @@ def _capabilities(embed_fmt: str, linear_fmts: set[str], full: bool, sliding: bo
         | ({Capability("attention_sliding", "paged")} if sliding else set())
         | {Capability("rope", variant) for variant in ropes}
         | {Capability("moe", fmt) for fmt in moe_fmts}
-        | {Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"), Capability("silu_mul", "f32"),
-           Capability("sample", "f32")}
+        | {Capability("rms_norm", "f32"), Capability("add_rms_norm", "f32"), Capability("silu_mul", "f32")}
     )

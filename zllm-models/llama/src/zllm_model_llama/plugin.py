@@ -9,7 +9,7 @@ files are written as ``llama``).
 from zllm.plugin_api import FamilyInfo, hookimpl
 from zllm_model_llama.gguf import GGUF_ARCHITECTURES
 
-ZLLM_PLUGIN_API = "1.1"
+ZLLM_PLUGIN_API = "1.2"
 
 
 @hookimpl

@@ -1,0 +1,307 @@
+"""The runtime's one token sampler, batched over rows, with the semantics of ``zllm.domain.sampling``.
+
+Dimension legend: ``S`` sequences (rows), ``R`` rows that draw at random, ``V`` columns of
+the logits (the model's output width, padded vocabularies included), ``N`` top logprobs
+per row, ``W = ceil(V / 32)`` words of a packed token bitmask.
+
+Steps, in the reference's order: the row's logits mask (a grammar's allowed tokens), the
+repetition penalty (prompt + output tokens), presence and frequency penalties (output
+tokens), greedy argmax for ``temperature == 0``, then for the other rows temperature,
+top-k, softmax, top-p, min-p and the exponential race ``argmax(probs / -log(u))`` with
+``u = torch.rand(V, generator=row.generator)``.
+
+Every step runs once over the whole batch. A row whose setting is off gets the neutral
+value of that step (penalty 1, subtract 0, a threshold that drops nothing), which leaves
+its values bit-identical, so a greedy row is exactly ``argmax`` of its penalised logits and
+a seeded row draws the reference's token (the test suite checks both bit for bit). Each
+row's uniforms are drawn by the reference's own call on its own generator. Per-row
+settings reach the device as small ``[S, 1]`` columns; the only device-to-host read is the
+caller's.
+
+Logprobs are reported from the **raw model distribution**: ``log_softmax`` in f32 of the
+logits the model produced, before the mask, penalties, temperature and filters (vLLM's
+default, ``logprobs_mode="raw_logprobs"``), so a token's logprob does not depend on the
+request's sampling settings. Speculative verification needs the distribution the token was
+drawn from instead: ``return_probs=True`` returns it (after every step, renormalised; a
+greedy row is one-hot at its token).
+
+In batch-invariant mode (``Sampler(batch_invariant=True)``) each row runs through the same
+ops on its own, as a batch of one, so a row's result does not depend on which other rows
+share the step (a fixed reduction order whatever the batch).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from zllm.capabilities.ops import SamplingRow
+
+LOGPROB_FLOOR = -9999.0
+"""The lowest logprob reported: a token the model gives probability 0 (``-inf``) is reported
+at this floor, which JSON can carry (vLLM uses the same value)."""
+
+MAX_TOP_LOGPROBS = 20
+"""The most top logprobs per token a request may ask for (OpenAI's limit)."""
+
+
+@attrs.frozen(eq=False)
+class SamplerOutput:
+    """What one sampler call produced, one row per sequence, on the logits' device.
+
+    Attributes:
+        token_ids: int64 ``[S]``, the sampled tokens.
+        logprobs: f32 ``[S]``, raw-distribution logprob of each sampled token (module doc),
+            or None when not asked for.
+        top_ids, top_logprobs: int64 / f32 ``[S, N]``, the ``N`` most likely tokens of the
+            raw distribution, most likely first (ties: lowest id first), or None when
+            ``N == 0``.
+        probs: f32 ``[S, V]``, the distribution each token was drawn from, or None unless
+            ``return_probs``.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
+@attrs.frozen
+class TokenLogprob:
+    """The raw-distribution logprob of one sampled token and the most likely alternatives
+    (module doc), floored at :data:`LOGPROB_FLOOR`.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its logprob (natural log).
+        top: ``(token id, logprob)`` of the request's ``logprobs`` most likely tokens, most
+            likely first; empty when it asked for 0.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Logprobs of prompt tokens ``1..P-1`` from the logits at the positions before them (the
+    first token has no prediction): f32 ``[P, V]`` logits, ``P`` ids -> ``P - 1`` entries with
+    the ``top_n`` most likely tokens at each position (raw distribution, floored as sampled
+    tokens' are; vLLM's ``prompt_logprobs``).
+
+    Raises:
+        ValueError: ``top_n`` outside ``[0, MAX_TOP_LOGPROBS]``.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(prompt_ids), (logits.shape, len(prompt_ids))
+    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_n must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}")
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [P-1, V]
+    ids = torch.tensor(prompt_ids[1:], dtype=torch.int64, device=logits.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].clamp_min(LOGPROB_FLOOR).tolist()
+    ordered, order = logp.sort(dim=-1, descending=True, stable=True)
+    top_values = ordered[:, :top_n].clamp_min(LOGPROB_FLOOR).tolist()
+    top_ids = order[:, :top_n].tolist()
+    return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
+            for t, c, i, v in zip(prompt_ids[1:], chosen, top_ids, top_values, strict=True)]
+
+
+def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
+    """Per-row settings as an f32 ``[rows, 1]`` column on ``like``'s device."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]
+
+
+def _token_matrix(ids: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row index, token id)`` int64 pairs, flattened, for the token ids ``ids[s]`` of every row ``s``."""
+    sizes = [t.numel() for t in ids]
+    # output_size: no device-to-host read of the sizes
+    row_of = torch.repeat_interleave(torch.arange(len(ids), device=like.device),
+                                     torch.tensor(sizes, device=like.device), output_size=sum(sizes))
+    return row_of, torch.cat(ids)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A packed token bitmask -> bool ``[V]``: int32 ``[W]``, bit ``j`` of word ``i`` allows
+    token ``32 * i + j`` (xgrammar's and llguidance's layout).
+
+    Raises:
+        ValueError: ``words`` is not int32 ``[ceil(V / 32)]``.
+    """
+    if words.dtype != torch.int32 or words.shape != ((vocab + 31) // 32,):
+        raise ValueError(f"a packed logits mask must be int32 [{(vocab + 31) // 32}] for {vocab} logits, "
+                         f"got {words.dtype} {list(words.shape)}")
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words[:, None] >> bits) & 1).bool().flatten()[:vocab]  # [W * 32] -> [V]
+
+
+def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """Disallowed tokens become ``-inf``: f32 ``[S, V]`` -> a new f32 ``[S, V]``.
+
+    ``masks[s]`` is None (row ``s`` unconstrained), bool ``[V]`` (True = allowed) or a packed
+    int32 ``[W]`` bitmask (:func:`unpack_bitmask`), sized to the logits' width ``V`` — a
+    padded vocabulary's extra columns included — on the logits' device.
+
+    Raises:
+        ValueError: a mask of the wrong dtype or size (names the row), or one that allows no
+            token (a grammar with no way on; sampling it would be undefined).
+    """
+    vocab = logits.shape[1]
+    allowed = torch.ones_like(logits, dtype=torch.bool)  # [S, V]
+    for s, mask in enumerate(masks):
+        if mask is None:
+            continue
+        if mask.dtype == torch.int32:
+            try:
+                mask = unpack_bitmask(mask, vocab)
+            except ValueError as exc:
+                raise ValueError(f"row {s}: {exc}") from None
+        if mask.dtype != torch.bool or mask.shape != (vocab,):
+            raise ValueError(f"row {s}: a logits mask must be bool [{vocab}] (the logits' width) or a packed int32 "
+                             f"bitmask, got {mask.dtype} {list(mask.shape)}")
+        allowed[s] = mask
+    if not bool(allowed.any(dim=-1).all()):
+        empty = [s for s in range(len(masks)) if not bool(allowed[s].any())]
+        raise ValueError(f"row {empty[0]}: the logits mask allows no token")
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties: f32 ``[S, V]`` -> a new f32 ``[S, V]``.
+
+    Repetition (CTRL, Keskar et al. 2019): ``l / r`` where ``l > 0`` else ``l * r``, over
+    tokens seen in prompt or output. Presence/frequency (OpenAI): ``l -= frequency * count +
+    presence * (count > 0)`` over output tokens.
+    """
+    empty = logits.new_empty(0, dtype=torch.int64)
+    if any(r.repetition_penalty != 1.0 for r in rows):
+        seen = torch.zeros_like(logits, dtype=torch.bool)  # [S, V]
+        ids = [torch.cat([r.prompt_token_ids, r.output_token_ids]) if r.repetition_penalty != 1.0 else empty
+               for r in rows]
+        seen[_token_matrix(ids, logits)] = True
+        penalty = _column([r.repetition_penalty for r in rows], logits)  # [S, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    counted = [r.output_token_ids.numel() > 0 and (r.presence_penalty != 0.0 or r.frequency_penalty != 0.0)
+               for r in rows]
+    if any(counted):
+        counts = torch.zeros_like(logits)  # [S, V]
+        pairs = _token_matrix([r.output_token_ids if c else empty for r, c in zip(rows, counted, strict=True)], logits)
+        counts.index_put_(pairs, torch.ones(1, device=logits.device), accumulate=True)
+        frequency = _column([r.frequency_penalty if c else 0.0 for r, c in zip(rows, counted, strict=True)], logits)
+        presence = _column([r.presence_penalty if c else 0.0 for r, c in zip(rows, counted, strict=True)], logits)
+        logits = logits - (frequency * counts + presence * (counts > 0).float())
+    return logits
+
+
+def _top_k(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logits below each row's k-th largest become ``-inf`` (ties kept); ``k`` outside ``(0, V)`` keeps all."""
+    vocab = x.shape[1]
+    ks = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
+    if not any(ks):
+        return x
+    largest = x.topk(max(ks), dim=-1).values  # [R, max k], descending
+    index = torch.tensor([max(k, 1) - 1 for k in ks], device=x.device)[:, None]  # [R, 1]
+    kth = largest.gather(1, index).masked_fill(_column(ks, x) == 0, float("-inf"))  # [R, 1]
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Nucleus (Holtzman et al. 2019): keep a token while the mass strictly before it is ``< top_p``."""
+    if all(r.top_p >= 1.0 for r in rows):
+        return probs
+    desc, order = probs.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    before = desc.cumsum(dim=-1) - desc  # exclusive prefix mass
+    limit = _column([r.top_p if r.top_p < 1.0 else float("inf") for r in rows], probs)  # inf: a row that keeps all
+    drop = torch.empty_like(before, dtype=torch.bool).scatter_(1, order, before >= limit)  # back to vocab order
+    return probs.masked_fill(drop, 0.0)
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow],
+          return_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps after the penalties: int64 ``[S]`` tokens and, if asked, f32 ``[S, V]`` drawn-from probabilities."""
+    tokens = logits.argmax(dim=-1)  # [S]: the greedy rows' answer
+    drawn = [s for s, r in enumerate(rows) if r.temperature != 0.0]
+    probs_out = None
+    if return_probs:
+        probs_out = torch.zeros_like(logits).scatter_(1, tokens[:, None], 1.0)  # one-hot for greedy rows
+    if not drawn:
+        return tokens, probs_out
+    picked = [rows[s] for s in drawn]
+    index = torch.tensor(drawn, device=logits.device)  # [R]
+    x = _top_k(logits[index] / _column([r.temperature for r in picked], logits), picked)  # [R, V]
+    probs = _top_p(torch.softmax(x, dim=-1), picked)
+    if any(r.min_p > 0.0 for r in picked):  # Nguyen et al. 2024
+        floor = _column([r.min_p for r in picked], probs) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    vocab = logits.shape[1]
+    race = torch.stack([-torch.log(torch.rand(vocab, generator=r.generator, device=logits.device, dtype=torch.float32))
+                        for r in picked])  # [R, V]
+    tokens = tokens.index_put_((index,), (probs / race).argmax(dim=-1))
+    if probs_out is not None:
+        probs_out[index] = probs / probs.sum(dim=-1, keepdim=True)
+    return tokens, probs_out
+
+
+class Sampler:
+    """Samples one token per row of a step's logits and reports what logprobs and
+    speculative verification need (the module doc gives the steps and the distributions).
+
+    Args:
+        batch_invariant: run each row on its own so results do not depend on the batch
+            (config ``runtime.batch_invariant``).
+    """
+
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], *,
+                 masks: list[torch.Tensor | None] | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                 return_probs: bool = False) -> SamplerOutput:
+        """Sample ``logits`` (any float dtype ``[S, V]``, computed in f32) under ``rows``
+        (``S`` settings, generators on the logits' device).
+
+        Args:
+            masks: ``S`` entries for :func:`apply_masks`, or None for no mask at all.
+            logprobs: report each sampled token's raw logprob.
+            top_logprobs: ``N`` in ``[0, MAX_TOP_LOGPROBS]``: also report the ``N`` most
+                likely tokens of the raw distribution and their logprobs.
+            return_probs: also return the distribution each token was drawn from.
+
+        Raises:
+            ValueError: a bad mask (:func:`apply_masks`), ``len(masks) != S`` or
+                ``top_logprobs`` out of range.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if masks is not None and len(masks) != len(rows):
+            raise ValueError(f"{len(masks)} logits masks for {len(rows)} rows")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        if not self.batch_invariant or len(rows) <= 1:
+            return self._batch(logits, rows, masks, logprobs, top_logprobs, return_probs)
+        parts = [self._batch(logits[s: s + 1], rows[s: s + 1], None if masks is None else masks[s: s + 1],
+                             logprobs, top_logprobs, return_probs) for s in range(len(rows))]
+
+        def cat(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        return SamplerOutput(torch.cat([p.token_ids for p in parts]), cat("logprobs"), cat("top_ids"),
+                             cat("top_logprobs"), cat("probs"))
+
+    @staticmethod
+    def _batch(logits: torch.Tensor, rows: list[SamplingRow], masks: list[torch.Tensor | None] | None,
+               want_logprobs: bool, top_logprobs: int, return_probs: bool) -> SamplerOutput:
+        if not rows:
+            empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+            return SamplerOutput(empty)
+        raw = logits.float()  # [S, V]
+        x = raw if masks is None or all(m is None for m in masks) else apply_masks(raw, masks)
+        tokens, probs = _draw(apply_penalties(x, rows), rows, return_probs)
+        out_logprobs = top_ids = top_values = None
+        if want_logprobs or top_logprobs:
+            logp = torch.log_softmax(raw, dim=-1)  # [S, V], the raw model distribution
+            out_logprobs = logp.gather(1, tokens[:, None])[:, 0].clamp_min(LOGPROB_FLOOR)  # [S]
+            if top_logprobs:
+                # A stable descending sort puts equal logprobs lowest id first, which topk does not promise.
+                top_values, top_ids = logp.sort(dim=-1, descending=True, stable=True)
+                top_values, top_ids = top_values[:, :top_logprobs].clamp_min(LOGPROB_FLOOR), top_ids[:, :top_logprobs]
+        return SamplerOutput(tokens, out_logprobs, top_ids, top_values, probs)
