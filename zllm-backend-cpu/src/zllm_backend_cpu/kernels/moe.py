@@ -191,67 +191,35 @@ def run_moe(
     return _moe(x, routing, gate_exps, up_exps, down_exps, shared, linear, silu_mul, torch.sigmoid)
 
 
-def moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    router: RouterConfig,
-    gate_exps: Weight,
-    up_exps: Weight,
-    down_exps: Weight,
-    correction_bias: torch.Tensor | None = None,
-    shared: SharedExperts | None = None,
-) -> torch.Tensor:
-    """The MoE FFN (module doc) through the torch ``linear`` kernels of the weights' format.
+def moe_kernel(name: str, linear: Linear, silu_mul: SiluMul, *, batch_invariant: bool,
+               doc: str) -> Callable[..., torch.Tensor]:
+    """A kernel of the ``moe`` op's signature, ``(x, router_logits, router, gate_exps, up_exps,
+    down_exps, correction_bias=None, shared=None) -> f32 [T, K]``, running :func:`run_moe`
+    with ``linear``, ``silu_mul`` and ``batch_invariant``; ``name`` and ``doc`` label it."""
 
-    Args:
-        x: f32 ``[T, K]``.
-        router_logits: f32 ``[T, E]``.
-        router: the layer's routing settings.
-        gate_exps, up_exps: ``[E, N, K]``; down_exps: ``[E, K, N]`` — dense f32/f16/bf16 or a
-            quantized stack of any CPU format.
-        correction_bias: f32 ``[E]`` (``noaux_tc`` routers) or None.
-        shared: shared experts (weights in any CPU format) or None.
+    def kernel(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
+               up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
+               shared: SharedExperts | None = None) -> torch.Tensor:
+        return run_moe(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared,
+                       linear=linear, silu_mul=silu_mul, batch_invariant=batch_invariant)
 
-    Returns:
-        f32 ``[T, K]``.
-    """
-    return run_moe(
-        x,
-        router_logits,
-        router,
-        gate_exps,
-        up_exps,
-        down_exps,
-        correction_bias,
-        shared,
-        linear=torch_linear,
-        silu_mul=activation.silu_mul,
-        batch_invariant=False,
-    )
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = doc
+    return kernel
 
 
-def moe_invariant(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    router: RouterConfig,
-    gate_exps: Weight,
-    up_exps: Weight,
-    down_exps: Weight,
-    correction_bias: torch.Tensor | None = None,
-    shared: SharedExperts | None = None,
-) -> torch.Tensor:
-    """Batch-invariant :func:`moe`: tiled router and gate, invariant torch ``linear`` and
-    ``silu_mul`` (module doc); arguments as :func:`moe`."""
-    return run_moe(
-        x,
-        router_logits,
-        router,
-        gate_exps,
-        up_exps,
-        down_exps,
-        correction_bias,
-        shared,
-        linear=torch_linear_invariant,
-        silu_mul=invariant.silu_mul_invariant,
-        batch_invariant=True,
-    )
+moe = moe_kernel(
+    "moe", torch_linear, activation.silu_mul, batch_invariant=False,
+    doc="""The MoE FFN (module doc) through the torch ``linear`` kernels of the weights' format.
+
+    ``x`` f32 ``[T, K]``; ``router_logits`` f32 ``[T, E]``; ``router`` the layer's routing
+    settings; ``gate_exps``, ``up_exps`` ``[E, N, K]`` and ``down_exps`` ``[E, K, N]``, dense
+    f32/f16/bf16 or a quantized stack of any CPU format; ``correction_bias`` f32 ``[E]``
+    (``noaux_tc`` routers) or None; ``shared`` experts (any CPU format) or None -> f32 ``[T, K]``.""",
+)
+
+moe_invariant = moe_kernel(
+    "moe_invariant", torch_linear_invariant, invariant.silu_mul_invariant, batch_invariant=True,
+    doc="""Batch-invariant :func:`moe`: tiled router and gate, invariant torch ``linear`` and
+    ``silu_mul`` (module doc); arguments as :func:`moe`.""",
+)

@@ -14,15 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from zllm.plugin_api import RouterConfig, SharedExperts, format_of
+from zllm.plugin_api import format_of
 from zllm_backend_cpu.kernels import elementwise, gemv
-from zllm_backend_cpu.kernels.moe import (
-    Linear,
-    Weight,
-    run_moe,
-    torch_linear,
-    torch_linear_invariant,
-)
+from zllm_backend_cpu.kernels.moe import Linear, Weight, moe_kernel, torch_linear, torch_linear_invariant
 
 
 def _gemv_or(native: Linear, fallback: Linear) -> Linear:
@@ -38,62 +32,17 @@ _LINEAR = _gemv_or(gemv.linear_gemv, torch_linear)
 _LINEAR_INVARIANT = _gemv_or(gemv.linear_gemv_invariant, torch_linear_invariant)
 
 
-def moe_gemv(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    router: RouterConfig,
-    gate_exps: Weight,
-    up_exps: Weight,
-    down_exps: Weight,
-    correction_bias: torch.Tensor | None = None,
-    shared: SharedExperts | None = None,
-) -> torch.Tensor:
-    """:func:`~zllm_backend_cpu.kernels.moe.moe` with each bucket of up to 16 rows through the
+moe_gemv = moe_kernel(
+    "moe_gemv", _LINEAR, elementwise.silu_mul, batch_invariant=False,
+    doc=""":func:`~zllm_backend_cpu.kernels.moe.moe` with each bucket of up to 16 rows through the
     native GEMV (one read of the expert's blocks), larger ones and k-quant weights through the
-    torch kernels; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`.
+    torch kernels; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError
+    when the native library is unavailable (the plugin registers this kernel only when it loads).""",
+)
 
-    Raises:
-        RuntimeError: the native library is unavailable (the plugin registers this kernel only
-            when it loads).
-    """
-    return run_moe(
-        x,
-        router_logits,
-        router,
-        gate_exps,
-        up_exps,
-        down_exps,
-        correction_bias,
-        shared,
-        linear=_LINEAR,
-        silu_mul=elementwise.silu_mul,
-        batch_invariant=False,
-    )
-
-
-def moe_gemv_invariant(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    router: RouterConfig,
-    gate_exps: Weight,
-    up_exps: Weight,
-    down_exps: Weight,
-    correction_bias: torch.Tensor | None = None,
-    shared: SharedExperts | None = None,
-) -> torch.Tensor:
-    """Batch-invariant :func:`moe_gemv`: native GEMV for every bucket (batch-invariant for any
+moe_gemv_invariant = moe_kernel(
+    "moe_gemv_invariant", _LINEAR_INVARIANT, elementwise.silu_mul, batch_invariant=True,
+    doc="""Batch-invariant :func:`moe_gemv`: native GEMV for every bucket (batch-invariant for any
     row count), the invariant torch ``linear`` for k-quants, the native ``silu_mul`` (each row
-    alone), tiled router and gate; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`."""
-    return run_moe(
-        x,
-        router_logits,
-        router,
-        gate_exps,
-        up_exps,
-        down_exps,
-        correction_bias,
-        shared,
-        linear=_LINEAR_INVARIANT,
-        silu_mul=elementwise.silu_mul,
-        batch_invariant=True,
-    )
+    alone), tiled router and gate; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`.""",
+)
