@@ -110,8 +110,7 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
         return out
     write(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(), t, hkv, d,
           k_cache.data_ptr(), v_cache.data_ptr(), nb * bs, threads)
-    last = _last_plan  # one read: another thread (another engine) may replace it meanwhile
-    n, info, prefill = last[1] if last[0] is meta else _plan(meta, t)
+    n, info, prefill = decode_plan(meta, t)
     if n:
         ptr = info.buffer_info()[0]
         if n == t:  # every row decodes: row r is sequence r, info holds the context lengths
@@ -131,6 +130,13 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
 # one tuple, so a reader sees a meta and its own plan even when engines in other threads
 # step concurrently.
 _last_plan: tuple[AttentionMetadata | None, tuple] = (None, ())
+
+
+def decode_plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
+    """The decode plan of :func:`_plan` for ``meta`` (``T == t`` tokens), computed once per
+    step's metadata: every layer's paged decode kernel, GQA or MLA, reads the same one."""
+    last = _last_plan  # one read: another thread (another engine) may replace it meanwhile
+    return last[1] if last[0] is meta else _plan(meta, t)
 
 
 def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:

@@ -33,14 +33,13 @@ registered as batch-invariant).
 
 from __future__ import annotations
 
-from array import array
-
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zllm.plugin_api import AttentionMetadata, QuantizedTensor
 from zllm_backend_cpu.kernels import mla as torch_mla
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
+from zllm_backend_cpu.kernels.paged_attention import decode_plan
 
 # zllm_mla_latent_write_<c>(latent, l_ts, slots, T, W, cache, NB * BS, threads)
 _WRITE_ARGTYPES = (P, I64, P, I64, I64, P, I64, INT)
@@ -161,8 +160,7 @@ def mla_attention(
         nb * bs,
         threads,
     )
-    last = _last_plan  # one read: another thread (another engine) may replace it meanwhile
-    n, info, prefill = last[1] if last[0] is meta else _plan(meta, t)
+    n, info, prefill = decode_plan(meta, t)
     if n:
         w_uk, w_uv_t = absorbed_weights(kv_b_proj, h, dn, dv, r)
         ptr = info.buffer_info()[0]
@@ -206,40 +204,6 @@ def mla_attention(
         _prefill(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta, prefill, out)
     return out
 
-
-# The plan of the last metadata seen: every layer of a step gets the same AttentionMetadata
-# (frozen; its lengths are tuples), so the decode rows are listed once per step. Replaced as
-# one tuple, so a reader sees a meta and its own plan even when engines in other threads
-# step concurrently.
-_last_plan: tuple[AttentionMetadata | None, tuple] = (None, ())
-
-
-def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
-    """``(S', info, prefill)``: the decode rows' count, ``info`` int64 — the context lengths when
-    every row decodes (``S' == T``), else ``[3 S']`` q rows, sequences, context lengths — and the
-    prefill sequences. Remembered for ``meta``."""
-    global _last_plan
-    query_lens, context_lens = meta.query_lens, meta.context_lens
-    plan: tuple[int, array, list[int]]
-    if len(query_lens) == t:
-        plan = (t, array("q", context_lens), [])
-    else:
-        rows: list[int] = []
-        seqs: list[int] = []
-        lens: list[int] = []
-        prefill: list[int] = []
-        start = 0
-        for s, n_q in enumerate(query_lens):
-            if n_q == 1:
-                rows.append(start)
-                seqs.append(s)
-                lens.append(context_lens[s])
-            else:
-                prefill.append(s)
-            start += n_q
-        plan = (len(rows), array("q", rows + seqs + lens), prefill)
-    _last_plan = (meta, plan)
-    return plan
 
 
 def _prefill(
