@@ -120,14 +120,25 @@ def torch_profile(engine, clock: _Clock, prompt_ids: list[int], request: Callabl
     """Profile one decode round; write ``out``.txt/.json/.trace.json; the rows by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    stream = engine.generate_stream(request(prompt_ids, 16))
-    clock.profiling = True
-    for _ in range(3):  # the prefill, then two decode rounds as warm-up of the record_function path
-        next(stream)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        next(stream)  # exactly one step: one decode round of one sequence
-    clock.profiling = False
-    stream.close()
+    req = engine.parse(request(prompt_ids, 16))
+    ids = engine.prompt_ids(req)
+
+    def one_round(llm):
+        # On the engine loop's thread, between its own steps (no other request is live), so
+        # the profiled window holds exactly one step: one decode round of one sequence.
+        seq = llm.add_request(req, ids, req.max_tokens)
+        clock.profiling = True
+        try:
+            for _ in range(3):  # the prefill, then two decode rounds as warm-up of the record_function path
+                llm.step()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                llm.step()
+            return prof
+        finally:
+            clock.profiling = False
+            llm.abort(seq)
+
+    prof = engine.loop.call(one_round)
     averages = prof.key_averages()
     rows = [{"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total, "cpu_total_us": e.cpu_time_total}
             for e in averages]

@@ -17,19 +17,36 @@ import pytest
 from tests.server.conftest import chat_model_dir, start_server
 
 # A prompt no other request shares, so the prefix cache lends the request nothing and the
-# free-block count must come back to exactly its idle value. 480 tokens take far longer than
-# the timeout (seconds), so every request here runs out of time.
+# free-block count must come back to exactly its idle value. The server runs a random-init
+# model wide enough that a decode step takes milliseconds: its first token comes well within
+# the timeout and its 480 tokens (random weights rarely pick EOS) take seconds, so every
+# request here runs out of time, and a stream has started before it does.
 LONG = {"prompt": "Zebra umbrella quietly", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 CHAT = [{"role": "user", "content": "Zebra umbrella quietly"}]
 TIMEOUT_S = 0.3
 QUEUED = 6
 
 
+def slow_chat_model_dir(dst):
+    """The stories260K tokenizer and chat template over a random-init llama of ~27M parameters
+    (hidden 512, 8 layers), written by transformers: slow enough per token for deadlines."""
+    import torch
+    import transformers
+
+    path = chat_model_dir(dst)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
     # One running sequence at a time: concurrent requests wait in the admission queue.
     tmp = tmp_path_factory.mktemp("timeout")
-    srv = start_server(tmp, chat_model_dir(tmp / "stories-chat"),
+    srv = start_server(tmp, slow_chat_model_dir(tmp / "slow-chat"),
                        server={"request_timeout_s": TIMEOUT_S, "served_model_name": "stories-chat"},
                        runtime={"prefix_cache_seqs": 0, "max_num_seqs": 1})
     yield srv
@@ -120,7 +137,8 @@ def test_anthropic_sdk_sends_a_timed_out_request_exactly_once(slow_server):
 def test_responses_stream_past_its_timeout_ends_with_the_protocols_error_event(slow_server):
     client = openai.OpenAI(base_url=f"{slow_server.url}/v1", api_key="unused", timeout=60)
     with client.responses.create(model=slow_server.model, input=CHAT[0]["content"],
-                                 max_output_tokens=LONG["max_tokens"], stream=True) as stream:
+                                 max_output_tokens=LONG["max_tokens"], stream=True,
+                                 extra_body={"ignore_eos": True}) as stream:
         events = list(stream)
     last = events[-1]
     assert isinstance(last, openai.types.responses.ResponseErrorEvent)
@@ -130,7 +148,8 @@ def test_responses_stream_past_its_timeout_ends_with_the_protocols_error_event(s
 
 
 def test_responses_stream_error_event_on_the_wire(slow_server):
-    body = {"model": slow_server.model, "input": CHAT[0]["content"], "max_output_tokens": 480, "stream": True}
+    body = {"model": slow_server.model, "input": CHAT[0]["content"], "max_output_tokens": 480, "stream": True,
+            "ignore_eos": True}
     with httpx.stream("POST", f"{slow_server.url}/v1/responses", json=body, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-2] == "event: error"

@@ -94,7 +94,9 @@ def naive_selection(
                 for g in range(cfg.n_group)
             ]
             by_max = cfg.topk_method == "group_limited_greedy"
-            group_scores = [top[0] if by_max else top[0] + top[1] for top in tops]
+            # A top-2 sum in f32, as the router adds them: exact ties must stay ties.
+            group_scores = [top[0] if by_max else float(torch.tensor(top[0], dtype=torch.float32) + top[1])
+                            for top in tops]
             groups = [g for _, g in sorted((-score, g) for g, score in enumerate(group_scores))]
             allowed = [
                 e
