@@ -17,11 +17,11 @@ import torch
 import transformers
 
 import zllm
-from tests.conftest import MODEL_DIR, copy_tokenizer, write_config
+from tests.conftest import MODEL_DIR, write_config
+from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits, save_widened
 from zllm.spec.errors import ZllmError
 
 VOCAB = 512  # the stories260K tokenizer
-PROMPT = [1, 410, 469, 347, 30, 99, 280, 17, 401, 5, 77, 300, 12, 64, 201]
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_attention_heads=4, num_key_value_heads=2)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -55,26 +55,9 @@ MODELS = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.Mistra
 
 def _save(tmp_path, case: str):
     model_type, overrides = CASES[case]
-    torch.manual_seed(sum(map(ord, case)))
-    model = MODELS[model_type](CONFIGS[model_type](**{**BASE, **overrides})).eval()
-    # Random init has tiny weights; widen them so the test sees real attention patterns.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)
+    config = CONFIGS[model_type](**{**BASE, **overrides})
     path = tmp_path / case
-    model.save_pretrained(path)
-    copy_tokenizer(path)
-    return model, path
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def _hf_greedy(model, n=32):
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return save_widened(path, MODELS[model_type], config, sum(map(ord, case))), path
 
 
 def _check_generation(engine, hf_tokens):
@@ -89,8 +72,8 @@ def test_f32_logits_and_greedy_tokens_match_transformers(tmp_path, case):
     model, path = _save(tmp_path, case)
     engine = zllm.Engine.from_config(write_config(tmp_path, path))
     assert engine.loaded.family_info.name == CASES[case][0]
-    torch.testing.assert_close(engine.prompt_logits(PROMPT), _hf_logits(model, PROMPT), atol=1e-4, rtol=0)
-    _check_generation(engine, _hf_greedy(model))
+    torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(model, PROMPT), atol=1e-4, rtol=0)
+    _check_generation(engine, hf_greedy(model))
 
 
 def test_all_sliding_model_frees_blocks_outside_the_window_and_still_matches(tmp_path):
@@ -102,7 +85,7 @@ def test_all_sliding_model_frees_blocks_outside_the_window_and_still_matches(tmp
     engine = zllm.Engine.from_config(cfg)
     kv = engine.llm.scheduler.kv
     assert kv.sliding_window == 6
-    hf_tokens = _hf_greedy(model)
+    hf_tokens = hf_greedy(model)
     request = engine.parse({"prompt_token_ids": PROMPT, "max_tokens": 32, "stop_token_ids": []})
     seq = engine.llm.add_request(request, PROMPT, 32)
     seen_evicted = 0
@@ -254,5 +237,5 @@ def test_gguf_written_from_hf_checkpoint_matches_hf_directory(tmp_path, case):
     hf_dir = zllm.Engine.from_config(write_config(tmp_path, path))
     ours = engine.prompt_logits(PROMPT)
     torch.testing.assert_close(ours, hf_dir.prompt_logits(PROMPT), atol=1e-4, rtol=0)
-    torch.testing.assert_close(ours, _hf_logits(model, PROMPT), atol=1e-4, rtol=0)
-    _check_generation(engine, _hf_greedy(model))
+    torch.testing.assert_close(ours, hf_logits(model, PROMPT), atol=1e-4, rtol=0)
+    _check_generation(engine, hf_greedy(model))

@@ -20,11 +20,11 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import zllm
-from tests.conftest import copy_tokenizer, write_config
+from tests.conftest import write_config
+from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits, save_widened
 from zllm.spec.errors import ZllmError
 
 VOCAB = 512  # the stories260K tokenizer
-PROMPT = [1, 410, 469, 347, 30, 99, 280, 17, 401, 5, 77, 300, 12, 64, 201]
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_attention_heads=4, num_key_value_heads=2)
 QWEN = dict(moe_intermediate_size=32, num_experts_per_tok=2)
@@ -49,35 +49,18 @@ MODELS = {"mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.
 def save_moe(tmp_path, case: str):
     """The case's model, widened x4, saved by ``save_pretrained`` with the stories260K tokenizer."""
     model_type, overrides = CASES[case]
-    torch.manual_seed(sum(map(ord, case)))
-    model = MODELS[model_type](CONFIGS[model_type](**{**BASE, **overrides})).eval()
-    # Random init has tiny weights; widen them so routing and attention are far from uniform.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)
+    config = CONFIGS[model_type](**{**BASE, **overrides})
     path = tmp_path / case
-    model.save_pretrained(path)
-    copy_tokenizer(path)
-    return model, path
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def _hf_greedy(model, n=32):
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return save_widened(path, MODELS[model_type], config, sum(map(ord, case))), path
 
 
 def _check(engine, model):
-    ours, theirs = engine.prompt_logits(PROMPT), _hf_logits(model, PROMPT)
+    ours, theirs = engine.prompt_logits(PROMPT), hf_logits(model, PROMPT)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     # relative to the row's scale: elementwise, a logit near zero has no meaningful relative error
     assert float((ours[-1] - theirs[-1]).abs().max()) <= 1e-4 * float(theirs[-1].abs().max())
     out = engine.generate({"prompt_token_ids": PROMPT, "max_tokens": 32, "stop_token_ids": []})
-    assert out["token_ids"] == _hf_greedy(model)
+    assert out["token_ids"] == hf_greedy(model)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
