@@ -27,6 +27,7 @@ from zllm.domain.ops import CORE_CAPABILITIES
 from zllm.domain.rope import (
     ROPE_TYPES,
     RopeParams,
+    RopeTable,
     default_inv_freq,
     rope_cos_sin,
     rope_inv_freq,
@@ -74,6 +75,7 @@ __all__ = [
     "hookimpl",
     "is_moe_layer",
     "mla_config_from_hf",
+    "RopeTable",
     "rope_cos_sin",
     "rope_inv_freq",
     "rope_params_from_config",

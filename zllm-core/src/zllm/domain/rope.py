@@ -337,3 +337,40 @@ OPS = (
         cases="zllm.conformance.cases:rope_cases",
     ),
 )
+
+
+class RopeTable:
+    """:func:`rope_cos_sin` over positions ``0..P-1``, kept and gathered per batch (vLLM's
+    ``cos_sin_cache``).
+
+    ``rope_cos_sin`` computes each row independently of the others, so a table row is
+    bit-identical to computing that position alone. The table covers every position below
+    the batch's longest context (known on the host, so no device sync) and grows to the next
+    power of two when a longer context arrives, at most to ``max_positions``: memory follows
+    the context actually used.
+
+    Args:
+        inv_freq: f32 ``[D2]`` (:func:`rope_inv_freq`).
+        attention_factor: YaRN's mscale (:func:`rope_inv_freq`'s second result).
+        max_positions: the model's context length.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_positions: int):
+        self.inv_freq, self.attention_factor, self.max_positions = inv_freq, attention_factor, max_positions
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def cached_positions(self) -> int:
+        """How many positions the table holds now (0 before the first call)."""
+        return 0 if self._table is None else self._table[0].shape[0]
+
+    def rows(self, positions: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` f32 ``[T, D2]`` for int64 ``positions [T]``, every one below ``need``
+        (the batch's longest context, ``max(meta.context_lens)``)."""
+        table = self._table
+        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+            size = min(1 << (need - 1).bit_length(), max(need, self.max_positions))
+            grid = torch.arange(size, dtype=torch.int64, device=positions.device)
+            table = rope_cos_sin(grid, self.inv_freq.to(positions.device), self.attention_factor)  # [P, D2] each
+            self._table = table
+        return table[0][positions], table[1][positions]

@@ -21,8 +21,8 @@ from zllm.plugin_api import (
     KVCacheSpec,
     KVLayerSpec,
     KVTensor,
+    RopeTable,
     SharedExperts,
-    rope_cos_sin,
     rope_inv_freq,
 )
 from zllm_model_deepseek.spec import DeepseekSpec
@@ -149,27 +149,9 @@ class DeepseekModel:
             f"model.layers.{spec.num_layers + j}." for j in range(spec.num_nextn_predict_layers)
         )
         self.mtp_weights = {k: v for k, v in weights.items() if mtp and k.startswith(mtp)}
-        self.inv_freq, self.rope_attention_factor = rope_inv_freq(
-            m.qk_rope_head_dim, spec.rope
-        )  # [Dr/2], YaRN factor
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # cos/sin rows over the decoupled rope dims [Dr/2], YaRN factor included.
+        self.rope_table = RopeTable(*rope_inv_freq(m.qk_rope_head_dim, spec.rope), spec.context_length)
         self._rope = ops.variant("rope", spec.rope_variant)
-
-    def rope_cos_sin_rows(
-        self, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` f32 ``[T, Dr/2]`` gathered from a table over positions ``0..P-1`` that
-        grows to the next power of two (as the llama family's; rows are computed independently)."""
-        need = max(meta.context_lens)
-        table = self._rope_table
-        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
-            rows = min(1 << (need - 1).bit_length(), max(need, self.context_length))
-            grid = torch.arange(rows, dtype=torch.int64, device=positions.device)
-            table = rope_cos_sin(
-                grid, self.inv_freq.to(positions.device), self.rope_attention_factor
-            )
-            self._rope_table = table
-        return table[0][positions], table[1][positions]
 
     def forward(
         self,
@@ -183,7 +165,7 @@ class DeepseekModel:
         ``zllm.domain.family.Model``); ``kv_caches[i]`` is layer ``i``'s
         ``(latent_cache [NB, BS, 1, W],)``."""
         ops, eps = self.ops, self.spec.rms_norm_eps
-        cos, sin = self.rope_cos_sin_rows(positions, meta)  # [T, Dr/2] each
+        cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, Dr/2] each
         residual = ops.embedding(self.embed, token_ids)  # [T, C]
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, (layer, (latent_cache,)) in enumerate(zip(self.layers, kv_caches, strict=True)):

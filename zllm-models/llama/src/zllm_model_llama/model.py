@@ -18,8 +18,8 @@ from zllm.plugin_api import (
     KVCacheSpec,
     KVLayerSpec,
     QuantizedTensor,
+    RopeTable,
     SharedExperts,
-    rope_cos_sin,
     rope_inv_freq,
 )
 from zllm_model_llama.spec import LlamaSpec, MoeSpec
@@ -128,31 +128,10 @@ class LlamaModel:
                                                           layout))
             for i, layout in enumerate(layouts)
         ]
-        self.inv_freq, self.rope_attention_factor = rope_inv_freq(spec.head_dim, spec.rope)  # [D2], YaRN's mscale
-        # cos/sin of every position seen so far, f32 [P, D2] each (see rope_cos_sin_rows).
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_table = RopeTable(*rope_inv_freq(spec.head_dim, spec.rope), spec.context_length)  # [D2] rows
         # Plain ints for the per-layer code (the spec's properties would recompute them each call).
         self._heads, self._kv_heads, self._head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self._q_size = spec.q_size
-
-    def rope_cos_sin_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` f32 ``[T, D2]`` for int64 ``positions [T]``, gathered from a table of
-        ``rope_cos_sin`` over ``0..P-1`` (vLLM's ``cos_sin_cache``).
-
-        ``rope_cos_sin`` computes each row independently of the others, so a table row is
-        bit-identical to computing that position alone. The table covers every position
-        below ``max(meta.context_lens)`` (known on the host, so no device sync) and grows to
-        the next power of two when a longer context arrives, at most to the model's context
-        length: memory follows the context actually used.
-        """
-        need = max(meta.context_lens)
-        table = self._rope_table
-        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
-            rows = min(1 << (need - 1).bit_length(), max(need, self.context_length))
-            grid = torch.arange(rows, dtype=torch.int64, device=positions.device)
-            table = rope_cos_sin(grid, self.inv_freq.to(positions.device), self.rope_attention_factor)  # [P, D2] each
-            self._rope_table = table
-        return table[0][positions], table[1][positions]
 
     def forward(
         self,
@@ -164,7 +143,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
         ops, eps = self.ops, self.spec.rms_norm_eps
-        cos, sin = self.rope_cos_sin_rows(positions, meta)  # [T, D/2] each
+        cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
         residual = ops.embedding(self.embed, token_ids)  # [T, C]
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
