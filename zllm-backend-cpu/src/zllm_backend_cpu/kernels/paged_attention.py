@@ -99,11 +99,7 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    slots, tables = meta.slot_mapping, meta.block_tables
-    if slots.dtype != torch.int64 or slots.stride(0) != 1:
-        slots = slots.to(torch.int64).contiguous()
-    if tables.dtype != torch.int64 or tables.stride(1) != 1:
-        tables = tables.to(torch.int64).contiguous()
+    slots, tables = native_indices(meta)
     threads = torch.get_num_threads()
     out = torch.empty(t, h, d)  # [T, H, D]
     if t == 0:
@@ -130,6 +126,17 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
 # one tuple, so a reader sees a meta and its own plan even when engines in other threads
 # step concurrently.
 _last_plan: tuple[AttentionMetadata | None, tuple] = (None, ())
+
+
+def native_indices(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """``meta``'s slot mapping int64 ``[T]`` and block tables int64 ``[S, MB]`` with unit inner
+    stride, as the native kernels index them (copied only when they are not already)."""
+    slots, tables = meta.slot_mapping, meta.block_tables
+    if slots.dtype != torch.int64 or slots.stride(0) != 1:
+        slots = slots.to(torch.int64).contiguous()
+    if tables.dtype != torch.int64 or tables.stride(1) != 1:
+        tables = tables.to(torch.int64).contiguous()
+    return slots, tables
 
 
 def decode_plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:

@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zllm.plugin_api import AttentionMetadata, QuantizedTensor
 from zllm_backend_cpu.kernels import mla as torch_mla
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
-from zllm_backend_cpu.kernels.paged_attention import decode_plan
+from zllm_backend_cpu.kernels.paged_attention import decode_plan, native_indices
 
 # zllm_mla_latent_write_<c>(latent, l_ts, slots, T, W, cache, NB * BS, threads)
 _WRITE_ARGTYPES = (P, I64, P, I64, I64, P, I64, INT)
@@ -141,11 +141,7 @@ def mla_attention(
         q_pe = q_pe.contiguous()
     if latent.stride(1) != 1:
         latent = latent.contiguous()
-    slots, tables = meta.slot_mapping, meta.block_tables
-    if slots.dtype != torch.int64 or slots.stride(0) != 1:
-        slots = slots.to(torch.int64).contiguous()
-    if tables.dtype != torch.int64 or tables.stride(1) != 1:
-        tables = tables.to(torch.int64).contiguous()
+    slots, tables = native_indices(meta)
     threads = torch.get_num_threads()
     out = torch.empty(t, h, dv)  # [T, H, Dv]
     if t == 0:
