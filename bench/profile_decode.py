@@ -5,7 +5,8 @@
    accumulators (about 0.3 us per call) and the medians per step are reported:
 
    ========================  ========================================================
-   ``interval``              time between two delivered tokens (what decode tok/s sees)
+   ``interval``              time between the ends of two steps on the engine loop's thread
+                             (what decode tok/s sees)
    ``interval cpu``          CPU time the process used in that interval (all its threads):
                              with one thread, the work itself without the time other
                              processes held the core — the steadier figure on a shared machine
@@ -50,6 +51,9 @@ class _Clock:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.profiling = False
+        # (perf_counter, process_time, snapshot) at the end of each step, taken on the engine
+        # loop's thread: the consumer's receipt times would blur steps into each other.
+        self.step_ends: list[tuple[float, float, dict[str, float]]] = []
 
     def wrap(self, label: str, fn: Callable) -> Callable:
         import torch
@@ -77,7 +81,14 @@ def instrument(engine) -> _Clock:
     """Wrap the runtime entry points and every bound op of ``engine`` (a ``zllm.Engine``)."""
     clock = _Clock()
     llm = engine.llm
-    llm.step = clock.wrap("step", llm.step)
+    timed_step = clock.wrap("step", llm.step)
+
+    def step():
+        outputs = timed_step()
+        clock.step_ends.append((time.perf_counter(), time.process_time(), clock.snapshot()))
+        return outputs
+
+    llm.step = step
     llm._accept = clock.wrap("accept", llm._accept)
     llm.scheduler.schedule = clock.wrap("schedule", llm.scheduler.schedule)
     llm.runner.execute = clock.wrap("execute", llm.runner.execute)
@@ -93,14 +104,13 @@ def instrument(engine) -> _Clock:
 
 def wall_split(engine, clock: _Clock, prompt_ids: list[int], new_tokens: int, request: Callable) -> dict[str, Any]:
     """Median milliseconds per decode step for every label (see the module docstring)."""
-    stamps: list[float] = []
-    cpu: list[float] = []
-    snaps: list[dict[str, float]] = []
-    for event in engine.generate_stream(request(prompt_ids, new_tokens)):
-        if event.get("token_ids"):
-            stamps.append(time.perf_counter())
-            cpu.append(time.process_time())
-            snaps.append(clock.snapshot())
+    clock.step_ends.clear()
+    for _ in engine.generate_stream(request(prompt_ids, new_tokens)):
+        pass
+    # The request's steps, prefill first; the loop idles (no step) once it has finished.
+    stamps = [end[0] for end in clock.step_ends]
+    cpu = [end[1] for end in clock.step_ends]
+    snaps = [end[2] for end in clock.step_ends]
     steps = []
     for i in range(1, len(stamps)):
         delta = {k: v - snaps[i - 1].get(k, 0.0) for k, v in snaps[i].items()}
