@@ -23,13 +23,14 @@ from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoni
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
 from zllm.engine.loop import EngineLoop, RequestHandle
 from zllm.engine.structured import StructuredOutput
+from zllm.runtime.speculative import NgramProposer, Proposer
 from zllm.engine.tool_parsers import resolve_format
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
 from zllm.runtime.sequence import Sequence, TokenConstraint
-from zllm.spec.config import ZllmConfig, config_from_dict, load_config
+from zllm.spec.config import SpeculativeConfig, ZllmConfig, config_from_dict, load_config
 from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
 from zllm.spec.request import (
     FinishReason,
@@ -49,6 +50,14 @@ def plugin_allowlist_from_env(environ: dict[str, str] | None = None) -> list[str
     return [v for v in value.split(",") if v.strip()] or None
 
 
+def make_proposer(cfg: SpeculativeConfig) -> Proposer | None:
+    """The proposer ``speculative.method`` names, or None when speculation is off."""
+    if cfg.method is None:
+        return None
+    assert cfg.method == "ngram", cfg.method  # the config contract admits only implemented methods
+    return NgramProposer(cfg.ngram.min_n, cfg.ngram.max_n)
+
+
 class Engine:
     """A loaded model ready to generate. Build it with :meth:`from_config`."""
 
@@ -60,7 +69,8 @@ class Engine:
         block_size = cfg.runtime.kv_cache.block_size
         dtype = kv_cache_dtype(cfg)
         try:
-            kv = PagedKVCache(kv_spec, num_blocks, block_size, dtype=dtype, device=loaded.backend.device)
+            kv = PagedKVCache(kv_spec, num_blocks, block_size, dtype=dtype, device=loaded.backend.device,
+                              eviction_lag=cfg.speculative.num_tokens if cfg.speculative.method else 0)
         except (RuntimeError, MemoryError) as exc:  # torch reports a failed allocation as RuntimeError
             key = "num_blocks" if cfg.runtime.kv_cache.num_blocks else "block_size"
             nbytes = num_blocks * kv_spec.block_bytes(block_size, dtype.itemsize)
@@ -74,7 +84,8 @@ class Engine:
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
             device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
-            batch_invariant=cfg.runtime.batch_invariant,
+            batch_invariant=cfg.runtime.batch_invariant, proposer=make_proposer(cfg.speculative),
+            num_speculative_tokens=cfg.speculative.num_tokens, adaptive_lookahead=cfg.speculative.adaptive,
         )
         self.loop = EngineLoop(self.llm)
         """The thread that owns ``llm`` and steps it (:class:`zllm.engine.loop.EngineLoop`);

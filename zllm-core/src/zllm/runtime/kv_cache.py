@@ -10,10 +10,13 @@ tokens, which the attention kernels write. No state is global: each engine owns 
 Sliding window: when every layer of the model attends only to the last ``W`` tokens
 (:attr:`PagedKVCache.sliding_window`, the spec's ``evictable_window``),
 :meth:`PagedKVCache.append` first returns to the free list the blocks of
-the sequence that lie wholly before key ``num_tokens - W + 1`` — the oldest key the next
-query may read. Their block-table entries become -1 (the sliding attention kernels never
-read them) and ``SeqKV.num_evicted`` counts them. Such a sequence can only move forward:
-it can be freed but not truncated, so the prefix cache does not park it (see
+the sequence that lie wholly before key ``num_tokens - W + 1 - lag`` — the oldest key the
+next query may read, ``lag`` tokens late (:attr:`PagedKVCache.eviction_lag`). Their
+block-table entries become -1 (the sliding attention kernels never read them) and
+``SeqKV.num_evicted`` counts them. The lag is the most tokens a step may append and then roll
+back (speculative decoding's lookahead), so a rollback never needs a block the window already
+freed: :meth:`PagedKVCache.truncate` drops tail blocks only. A sequence that lost blocks
+cannot be cut back to an earlier prefix, so the prefix cache does not park it (see
 ``zllm.runtime.scheduler.PrefixCache.park``). Models mixing full and sliding layers keep
 every block.
 """
@@ -59,7 +62,7 @@ class PagedKVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", eviction_lag: int = 0):
         assert num_blocks > 0 and block_size > 0
         self.spec = spec
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -73,12 +76,14 @@ class PagedKVCache:
         self._free = list(range(num_blocks - 1, -1, -1))
         #: Window of a model whose every layer is sliding (see the module docstring); None keeps all blocks.
         self.sliding_window: int | None = spec.evictable_window
+        #: Tokens a sliding window evicts late, so a rollback of that many tokens keeps every key it needs.
+        self.eviction_lag = eviction_lag
 
     def _outside_window(self, seq: SeqKV) -> list[int]:
         """Indices in ``seq.blocks`` of held blocks that end before key ``num_tokens - W + 1``."""
         if self.sliding_window is None:
             return []
-        dead = max(0, seq.num_tokens - self.sliding_window + 1) // self.block_size
+        dead = max(0, seq.num_tokens - self.sliding_window + 1 - self.eviction_lag) // self.block_size
         return [i for i in range(min(dead, len(seq.blocks))) if seq.blocks[i] >= 0]
 
     @property
@@ -114,13 +119,18 @@ class PagedKVCache:
         return slots
 
     def truncate(self, seq: SeqKV, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` cached tokens of ``seq``; free blocks past them.
+        """Keep the first ``num_tokens`` cached tokens of ``seq``; free blocks past them (a
+        rejected speculative run rolls back this way).
 
-        A sequence that lost blocks to a sliding window can only be freed (``num_tokens == 0``).
+        A sequence that lost blocks to a sliding window may drop tail blocks only: every block
+        from the first one dropped on must still be held (the eviction lag guarantees it for a
+        rollback of up to ``eviction_lag`` tokens), else it can only be freed.
         """
         assert 0 <= num_tokens <= seq.num_tokens
-        assert num_tokens == 0 or seq.num_evicted == 0, "cannot truncate a sequence whose window dropped blocks"
         keep = math.ceil(num_tokens / self.block_size)
+        assert num_tokens == 0 or all(b >= 0 for b in seq.blocks[keep:]) and \
+            (seq.num_evicted == 0 or num_tokens >= seq.num_tokens - self.eviction_lag), \
+            "cannot truncate a sequence into the blocks its window dropped"
         self._free.extend(b for b in reversed(seq.blocks[keep:]) if b >= 0)
         del seq.blocks[keep:]
         seq.num_tokens = num_tokens

@@ -16,8 +16,9 @@ import torch
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.runner import ModelRunner, Sampled
 from zllm.runtime.sampler import TokenLogprob
-from zllm.runtime.scheduler import Scheduler
+from zllm.runtime.scheduler import ScheduledStep, Scheduler
 from zllm.runtime.sequence import Sequence, TokenConstraint
+from zllm.runtime.speculative import Lookahead, Proposer, SpecStats
 from zllm.spec.errors import ContextLengthError, RequestError
 from zllm.spec.request import GenerationRequest
 from zllm.tokenizer import IncrementalDetokenizer
@@ -58,11 +59,15 @@ class LLMEngine:
         context_length: the context window in tokens.
         device: where batch tensors go.
         batch_invariant: sample each row on its own (config ``runtime.batch_invariant``).
+        proposer, num_speculative_tokens, adaptive_lookahead: speculative decoding
+            (:mod:`zllm.runtime.speculative`): who proposes, the most proposals per step, and
+            whether each sequence adapts that number to its acceptance; no proposer = none.
     """
 
     def __init__(self, model, ops, tokenizer, kv: PagedKVCache, eos_token_ids: frozenset[int], *,
                  max_num_seqs: int, max_prefill_tokens: int, prefix_cache_seqs: int, context_length: int,
-                 device: torch.device, max_batch_tokens: int | None = None, batch_invariant: bool = False):
+                 device: torch.device, max_batch_tokens: int | None = None, batch_invariant: bool = False,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0, adaptive_lookahead: bool = True):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
@@ -71,6 +76,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, ops, kv, device, batch_invariant, self.sample_width)
         self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens)
         self._ids = itertools.count()
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.adaptive_lookahead = adaptive_lookahead
+        self.spec_stats = SpecStats()
+        """Proposals made and accepted per draft position (``zllm.runtime.speculative``)."""
 
     def add_request(self, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int, *,
                     constraint: TokenConstraint | None = None,
@@ -103,6 +113,8 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids=list(prompt_ids), keep_special_ids=keep_special_ids),
             generator, constraint,
         )
+        if self.proposer is not None:
+            seq.lookahead = Lookahead(self.num_speculative_tokens, self.adaptive_lookahead)
         self.scheduler.add(seq)
         return seq
 
@@ -117,6 +129,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return outputs
+        if self.proposer is not None and scheduled.num_decodes:
+            scheduled = self._propose(scheduled)
         now = time.perf_counter()
         for sampled in self.runner.execute(scheduled):
             if sampled.seq.first_token_time is None:
@@ -126,6 +140,29 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+
+    def _propose(self, step: ScheduledStep) -> ScheduledStep:
+        """``step`` with proposals for its decodes: as many as each sequence's lookahead
+        asks, never past its ``max_tokens`` or the context window (the step's own token comes
+        after them).
+
+        None for a sequence under a grammar (its matcher would have to follow each verify
+        row; it decodes one token a step), and none before a sequence's first output token:
+        that token is drawn as a plain sample whether the last prompt token is computed in a
+        prefill or — after a prefix-cache hit — in a decode, so a seeded request draws the
+        same tokens with or without a cache hit."""
+        assert self.proposer is not None
+        seqs = [seq for seq, _ in step.items[: step.num_decodes]]
+        ks = []
+        for seq in seqs:
+            room = min(seq.max_new_tokens - len(seq.output_ids), self.context_length - seq.num_tokens) - 1
+            ks.append(0 if seq.constraint is not None or seq.lookahead is None or room <= 0 or not seq.output_ids
+                      else min(seq.lookahead.next_k(), room))
+        if not any(ks):
+            return step
+        proposals = self.proposer.propose(seqs, ks)
+        return self.scheduler.add_lookahead(step, {s.seq_id: p[:k] for s, p, k in zip(seqs, proposals, ks, strict=True)
+                                                   if p and k})
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """f32 ``[P, V]`` logits at every prompt position (one New Prefill; vLLM's
@@ -140,23 +177,35 @@ class LLMEngine:
         return self.runner.prompt_logits(prompt_ids)
 
     def _accept(self, sampled: Sampled) -> StepOutput:
-        seq, token = sampled.seq, sampled.token_id
-        if token in seq.stop_token_ids:
-            return self._finish(seq, "stop", "", ())
-        seq.output_ids.append(token)
-        if seq.constraint is not None:
-            seq.constraint.accept(token)
-        logprobs = () if sampled.logprob is None else (sampled.logprob,)
-        text, stopped = seq.stop_matcher.feed(seq.detokenizer.push([token]))
-        if stopped:
-            return self._finish(seq, "stop", text, (token,), logprobs, flush=False)
-        if seq.constraint is not None and seq.constraint.finished:  # complete: no EOS step needed
-            return self._finish(seq, "stop", text, (token,), logprobs)
-        cap = self.scheduler.max_tokens_per_seq  # a sequence that fills the whole KV pool stops there
-        if (len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length
-                or (cap is not None and seq.num_tokens >= cap)):
-            return self._finish(seq, "length", text, (token,), logprobs)
-        return StepOutput(seq, text, (token,), False, logprobs)
+        """Apply a step's tokens for one sequence in order; the first that ends it (a stop
+        token, a stop string, a finished grammar, the length limits) drops the rest."""
+        seq = sampled.seq
+        if sampled.proposed:
+            accepted = len(sampled.token_ids) - 1
+            self.spec_stats.record(sampled.proposed, accepted)
+            if seq.lookahead is not None:
+                seq.lookahead.update(sampled.proposed, accepted)
+        texts: list[str] = []
+        kept: list[int] = []
+        for token in sampled.token_ids:
+            if token in seq.stop_token_ids:
+                return self._finish(seq, "stop", "".join(texts), tuple(kept), sampled.logprobs[: len(kept)])
+            seq.output_ids.append(token)
+            kept.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+            text, stopped = seq.stop_matcher.feed(seq.detokenizer.push([token]))
+            texts.append(text)
+            logprobs = sampled.logprobs[: len(kept)]
+            if stopped:
+                return self._finish(seq, "stop", "".join(texts), tuple(kept), logprobs, flush=False)
+            if seq.constraint is not None and seq.constraint.finished:  # complete: no EOS step needed
+                return self._finish(seq, "stop", "".join(texts), tuple(kept), logprobs)
+            cap = self.scheduler.max_tokens_per_seq  # a sequence that fills the whole KV pool stops there
+            if (len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length
+                    or (cap is not None and seq.num_tokens >= cap)):
+                return self._finish(seq, "length", "".join(texts), tuple(kept), logprobs)
+        return StepOutput(seq, "".join(texts), tuple(kept), False, sampled.logprobs)
 
     def _finish(self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...],
                 logprobs: tuple[TokenLogprob, ...] = (), flush: bool = True) -> StepOutput:
@@ -166,5 +215,7 @@ class LLMEngine:
             tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
             text += tail if stopped else tail + seq.stop_matcher.flush()
         seq.finish_reason = reason
+        if seq.kv.num_tokens > seq.num_tokens:  # a verify step ended inside its accepted run
+            self.scheduler.kv.truncate(seq.kv, seq.num_tokens)
         self.scheduler.finish(seq)
         return StepOutput(seq, text, token_ids, True, logprobs)

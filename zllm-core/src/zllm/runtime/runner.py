@@ -24,9 +24,10 @@ import torch
 
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
-from zllm.runtime.sampler import Sampler, TokenLogprob
+from zllm.runtime.sampler import Sampler, TokenLogprob, token_logprobs
 from zllm.runtime.scheduler import ScheduledStep
 from zllm.runtime.sequence import Sequence
+from zllm.runtime.speculative import verify
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -59,11 +60,14 @@ def _mask(seq: Sequence, device: torch.device) -> torch.Tensor | None:
 
 @attrs.frozen
 class Sampled:
-    """One sequence's result of a step: its token and, when the request asked, its logprobs."""
+    """One sequence's result of a step: its new tokens (one, or after a verify step the
+    accepted proposals and the target's token), their logprobs when the request asked (one
+    per token), and how many proposals the step verified."""
 
     seq: Sequence
-    token_id: int
-    logprob: TokenLogprob | None = None
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    proposed: int = 0
 
 
 class ModelRunner:
@@ -83,7 +87,9 @@ class ModelRunner:
 
     def execute(self, step: ScheduledStep) -> list[Sampled]:
         """Compute the step's tokens; return one :class:`Sampled` for every sequence whose
-        computed span reached its last token.
+        computed span reached its last token. A decode item with lookahead tokens is a verify
+        step (:mod:`zllm.runtime.speculative`): its rejected tokens' KV is rolled back before
+        this returns.
 
         Raises:
             ValueError: a sequence's constraint returned a bad mask
@@ -92,48 +98,80 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        query_lens: list[int] = []
         sampling: list[Sequence] = []
         logits_rows: list[int] = []
-        for seq, n in step.items:
+        verifying: list[tuple[Sequence, tuple[int, ...], int]] = []  # (seq, proposals, KV length before them)
+        verify_rows: list[int] = []
+        for i, (seq, n) in enumerate(step.items):
+            draft = step.lookahead[i] if step.lookahead else ()
             start = seq.num_computed
-            ids += seq.token_span(start, start + n)
-            positions += range(start, start + n)
-            slots += self.kv.append(seq.kv, n)
-            if seq.num_computed == seq.num_tokens:
+            ids += seq.token_span(start, start + n) + list(draft)
+            m = n + len(draft)
+            positions += range(start, start + m)
+            slots += self.kv.append(seq.kv, m)
+            query_lens.append(m)
+            if draft:
+                verifying.append((seq, draft, start + n))
+                verify_rows += range(len(ids) - len(draft) - 1, len(ids))
+            elif seq.num_computed == seq.num_tokens:
                 sampling.append(seq)
                 logits_rows.append(len(ids) - 1)
         with torch.inference_mode():
-            logits = self._forward(ids, positions, slots, [s.kv for s, _ in step.items],
-                                   tuple(n for _, n in step.items), logits_rows)  # [S', V]
-            if not sampling:
-                return []
+            logits = self._forward(ids, positions, slots, [s.kv for s, _ in step.items], tuple(query_lens),
+                                   logits_rows + verify_rows)  # [S' + sum(k + 1), V]
             if self.sample_width is not None and logits.shape[1] > self.sample_width:
                 logits = logits[:, : self.sample_width]  # a view: padded columns are never candidates
-            if all(_is_plain_greedy(s) for s in sampling):
-                tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
-                return [Sampled(s, t) for s, t in zip(sampling, tokens.tolist(), strict=True)]
-            masks = [_mask(s, self.device) for s in sampling]
-            wanted = [s.request.logprobs for s in sampling]
-            top = max((n for n in wanted if n is not None), default=0)
-            out = self.sampler(logits, [self._sampling_row(s) for s in sampling],
-                               masks=masks if any(m is not None for m in masks) else None,
-                               logprobs=any(n is not None for n in wanted), top_logprobs=top)
+            results = self._sample(logits[: len(sampling)], sampling) if sampling else []
+            if verifying:
+                results += self._verify(logits[len(sampling):], verifying)
+        return results
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[Sampled]:
+        """One token per sequence from f32 ``[S', V]`` logits."""
+        if all(_is_plain_greedy(s) for s in sampling):
+            tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
+            return [Sampled(s, (t,)) for s, t in zip(sampling, tokens.tolist(), strict=True)]
+        masks = [_mask(s, self.device) for s in sampling]
+        wanted = [s.request.logprobs for s in sampling]
+        top = max((n for n in wanted if n is not None), default=0)
+        out = self.sampler(logits, [self._sampling_row(s) for s in sampling],
+                           masks=masks if any(m is not None for m in masks) else None,
+                           logprobs=any(n is not None for n in wanted), top_logprobs=top)
         return self._results(sampling, wanted, out)
+
+    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, tuple[int, ...], int]]) -> list[Sampled]:
+        """Verify each sequence's proposals against its ``k + 1`` rows of f32 logits, then roll
+        its KV back to the tokens it keeps."""
+        rows = [self._sampling_row(seq, draft[:j]) for seq, draft, _ in verifying for j in range(len(draft) + 1)]
+        dist = self.sampler.distributions(logits, rows)  # [sum(k + 1), V]
+        results = []
+        offset = 0
+        for seq, draft, kept in verifying:
+            k = len(draft)
+            tokens = verify(dist[offset: offset + k + 1], draft, seq.generator,
+                            greedy=seq.request.temperature < GREEDY_BELOW)
+            self.kv.truncate(seq.kv, kept + len(tokens) - 1)  # the last token is not computed yet
+            logprobs = () if seq.request.logprobs is None else tuple(
+                token_logprobs(logits[offset: offset + len(tokens)], tokens, seq.request.logprobs))
+            results.append(Sampled(seq, tuple(tokens), logprobs, k))
+            offset += k + 1
+        return results
 
     @staticmethod
     def _results(sampling: list[Sequence], wanted: list[int | None], out) -> list[Sampled]:
         """Host values of a sampler call: one read of each output tensor for the whole step."""
         tokens = out.token_ids.tolist()
         if out.logprobs is None:
-            return [Sampled(s, t) for s, t in zip(sampling, tokens, strict=True)]
+            return [Sampled(s, (t,)) for s, t in zip(sampling, tokens, strict=True)]
         chosen = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in sampling]
         top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in sampling]
         results = []
         for i, (seq, n) in enumerate(zip(sampling, wanted, strict=True)):
-            logprob = None if n is None else TokenLogprob(
-                tokens[i], chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
-            results.append(Sampled(seq, tokens[i], logprob))
+            logprobs = () if n is None else (TokenLogprob(
+                tokens[i], chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True))),)
+            results.append(Sampled(seq, (tokens[i],), logprobs))
         return results
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -163,7 +201,9 @@ class ModelRunner:
         )
         return self.model.forward(packed[:t], packed[t: 2 * t], meta, self.kv.layers, packed[3 * t: 3 * t + r])
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, lookahead: tuple[int, ...] = ()) -> SamplingRow:
+        """``seq``'s settings for its next token, or for the token after ``lookahead`` (a
+        verify row: its penalties count the proposals before it as output)."""
         r = seq.request
         penalised = r.repetition_penalty != 1.0 or r.presence_penalty != 0.0 or r.frequency_penalty != 0.0
         return SamplingRow(
@@ -174,7 +214,8 @@ class ModelRunner:
             frequency_penalty=r.frequency_penalty,
             prompt_token_ids=seq.prompt_tensor.to(self.device) if penalised else _EMPTY,
             output_token_ids=(
-                torch.tensor(seq.output_ids, dtype=torch.int64, device=self.device) if penalised else _EMPTY
+                torch.tensor(seq.output_ids + list(lookahead), dtype=torch.int64, device=self.device) if penalised
+                else _EMPTY
             ),
             generator=seq.generator,
         )

@@ -94,16 +94,27 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> 
         ValueError: ``top_n`` outside ``[0, MAX_TOP_LOGPROBS]``.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(prompt_ids), (logits.shape, len(prompt_ids))
+    return token_logprobs(logits[:-1], prompt_ids[1:], top_n)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Raw-distribution logprobs of ``token_ids[i]`` under row ``i`` of f32 ``[N, V]`` logits,
+    with the ``top_n`` most likely tokens of each row (ties: lowest id first), floored at
+    :data:`LOGPROB_FLOOR`.
+
+    Raises:
+        ValueError: ``top_n`` outside ``[0, MAX_TOP_LOGPROBS]``.
+    """
     if not 0 <= top_n <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_n must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}")
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [P-1, V]
-    ids = torch.tensor(prompt_ids[1:], dtype=torch.int64, device=logits.device)
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
     chosen = logp.gather(1, ids[:, None])[:, 0].clamp_min(LOGPROB_FLOOR).tolist()
     ordered, order = logp.sort(dim=-1, descending=True, stable=True)
     top_values = ordered[:, :top_n].clamp_min(LOGPROB_FLOOR).tolist()
     top_ids = order[:, :top_n].tolist()
     return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
-            for t, c, i, v in zip(prompt_ids[1:], chosen, top_ids, top_values, strict=True)]
+            for t, c, i, v in zip(token_ids, chosen, top_ids, top_values, strict=True)]
 
 
 def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
@@ -215,16 +226,14 @@ def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs.masked_fill(drop, 0.0)
 
 
-def _draw(logits: torch.Tensor, rows: list[SamplingRow],
-          return_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps after the penalties: int64 ``[S]`` tokens and, if asked, f32 ``[S, V]`` drawn-from probabilities."""
-    tokens = logits.argmax(dim=-1)  # [S]: the greedy rows' answer
+def _filtered(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """The steps between the penalties and the draw: int64 ``[S]`` argmax tokens (the greedy
+    rows' answer), the indices of the rows that draw, and their f32 ``[R, V]`` probabilities
+    after temperature, top-k, top-p and min-p (not renormalised; None when no row draws)."""
+    tokens = logits.argmax(dim=-1)  # [S]
     drawn = [s for s, r in enumerate(rows) if r.temperature != 0.0]
-    probs_out = None
-    if return_probs:
-        probs_out = torch.zeros_like(logits).scatter_(1, tokens[:, None], 1.0)  # one-hot for greedy rows
     if not drawn:
-        return tokens, probs_out
+        return tokens, drawn, None
     picked = [rows[s] for s in drawn]
     index = torch.tensor(drawn, device=logits.device)  # [R]
     x = _top_k(logits[index] / _column([r.temperature for r in picked], logits), picked)  # [R, V]
@@ -232,10 +241,29 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow],
     if any(r.min_p > 0.0 for r in picked):  # Nguyen et al. 2024
         floor = _column([r.min_p for r in picked], probs) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
-    vocab = logits.shape[1]
-    race = torch.stack([-torch.log(torch.rand(vocab, generator=r.generator, device=logits.device, dtype=torch.float32))
-                        for r in picked])  # [R, V]
-    tokens = tokens.index_put_((index,), (probs / race).argmax(dim=-1))
+    return tokens, drawn, probs
+
+
+def race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from f32 ``[V]`` probabilities (any positive scale): the exponential race
+    ``argmax(probs / -log(u))``, ``u = torch.rand(V, generator=generator)`` — the draw every
+    sampled token of the runtime makes, one generator call per token."""
+    u = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float32)
+    return int((probs / -torch.log(u)).argmax())
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow],
+          return_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps after the penalties: int64 ``[S]`` tokens and, if asked, f32 ``[S, V]`` drawn-from probabilities."""
+    tokens, drawn, probs = _filtered(logits, rows)
+    probs_out = None
+    if return_probs:
+        probs_out = torch.zeros_like(logits).scatter_(1, tokens[:, None], 1.0)  # one-hot for greedy rows
+    if probs is None:
+        return tokens, probs_out
+    index = torch.tensor(drawn, device=logits.device)  # [R]
+    won = [race(p, rows[s].generator) for p, s in zip(probs, drawn, strict=True)]
+    tokens = tokens.index_put_((index,), torch.tensor(won, device=logits.device))
     if probs_out is not None:
         probs_out[index] = probs / probs.sum(dim=-1, keepdim=True)
     return tokens, probs_out
@@ -286,6 +314,26 @@ class Sampler:
 
         return SamplerOutput(torch.cat([p.token_ids for p in parts]), cat("logprobs"), cat("top_ids"),
                              cat("top_logprobs"), cat("probs"))
+
+    def distributions(self, logits: torch.Tensor, rows: list[SamplingRow], *,
+                      masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The distribution each row's token would be drawn from, without drawing: f32
+        ``[S, V]``, every step of the module doc applied and renormalised; a greedy row is
+        one-hot at its argmax. Speculative verification compares proposals against it.
+        Batch-invariant mode computes each row on its own."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if self.batch_invariant and len(rows) > 1:
+            return torch.cat([self.distributions(logits[s: s + 1], rows[s: s + 1],
+                                                 masks=None if masks is None else masks[s: s + 1])
+                              for s in range(len(rows))])
+        raw = logits.float()
+        x = raw if masks is None or all(m is None for m in masks) else apply_masks(raw, masks)
+        x = apply_penalties(x, rows)
+        tokens, drawn, probs = _filtered(x, rows)
+        out = torch.zeros_like(x).scatter_(1, tokens[:, None], 1.0)
+        if probs is not None:
+            out[torch.tensor(drawn, device=x.device)] = probs / probs.sum(dim=-1, keepdim=True)
+        return out
 
     @staticmethod
     def _batch(logits: torch.Tensor, rows: list[SamplingRow], masks: list[torch.Tensor | None] | None,

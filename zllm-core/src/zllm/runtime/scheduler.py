@@ -55,10 +55,13 @@ EXPIRED_WAITING, EXPIRED_RUNNING = "expired_waiting", "expired_running"
 @attrs.frozen
 class ScheduledStep:
     """The work of one step: ``(sequence, number of new tokens to compute)`` pairs — the
-    Decode Round's ``num_decodes`` items first, then at most one prefill chunk."""
+    Decode Round's ``num_decodes`` items first, then at most one prefill chunk — and, per
+    item, the lookahead tokens (speculative proposals) computed after its new tokens:
+    ``lookahead[i]`` for ``items[i]``, empty for most (``()`` = no item has any)."""
 
     items: tuple[tuple[Sequence, int], ...]
     num_decodes: int
+    lookahead: tuple[tuple[int, ...], ...] = ()
 
     @property
     def prefill_tokens(self) -> int:
@@ -74,6 +77,7 @@ class SchedulerStats:
         decode_tokens, prefill_tokens: tokens scheduled as decodes / in prefill chunks.
         mixed_steps: steps carrying a Decode Round and a prefill chunk together.
         max_decodes_per_step: the most sequences one Decode Round held.
+        lookahead_tokens: speculative proposals scheduled (blocks reserved) after decodes.
         preemptions: running sequences preempted (KV freed, recomputed later).
         admission_waits: steps in which the queue head waited for KV blocks.
         expired_waiting, expired_running: sequences dropped at their deadline while queued
@@ -85,6 +89,7 @@ class SchedulerStats:
     prefill_tokens: int = 0
     mixed_steps: int = 0
     max_decodes_per_step: int = 0
+    lookahead_tokens: int = 0
     preemptions: int = 0
     admission_waits: int = 0
     expired_waiting: int = 0
@@ -230,6 +235,21 @@ class Scheduler:
         st.mixed_steps += bool(decodes and step.prefill_tokens)
         st.max_decodes_per_step = max(st.max_decodes_per_step, len(decodes))
         return step
+
+    def add_lookahead(self, step: ScheduledStep, proposals: dict[int, list[int]]) -> ScheduledStep:
+        """``step`` with each decode's proposals (by ``seq_id``) as its lookahead, cut to what
+        the free KV blocks hold: speculation never evicts the prefix cache or preempts a
+        sequence. Call right after :meth:`schedule`, whose promises it extends."""
+        lookahead: list[tuple[int, ...]] = []
+        for i, (seq, n) in enumerate(step.items):
+            draft = proposals.get(seq.seq_id, []) if i < step.num_decodes else []
+            own = self.kv.blocks_needed(seq.kv, n)  # already promised by schedule()
+            while draft and not self.kv.can_append(seq.kv, n + len(draft), self._promised - own):
+                draft = draft[:-1]
+            self._promised += self.kv.blocks_needed(seq.kv, n + len(draft)) - own
+            lookahead.append(tuple(draft))
+        self.stats.lookahead_tokens += sum(len(d) for d in lookahead)
+        return attrs.evolve(step, lookahead=tuple(lookahead)) if any(lookahead) else step
 
     @staticmethod
     def _prefill_left(seq: Sequence) -> int:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from zllm.runtime.kv_cache import SeqKV
 from zllm.runtime.stop import StopStringMatcher
 from zllm.spec.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from zllm.runtime.speculative import Lookahead
 
 
 class TokenConstraint(Protocol):
@@ -78,6 +81,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.deadline: float | None = None
         self.constraint = constraint
+        self.lookahead: Lookahead | None = None  # how many tokens to propose (speculative decoding), or None
 
     @property
     def num_computed(self) -> int:

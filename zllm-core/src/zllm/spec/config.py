@@ -355,6 +355,53 @@ class GenerationDefaults:
     add_bos: bool | None = _config_field(OPTIONAL_BOOL, None)
 
 
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+"""Proposers of speculative decoding (zllm.runtime.speculative)."""
+
+
+def _check_ngram_sizes(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not POSITIVE_INT.ok(value):
+        raise ConfigError(_key_path(type(instance), attribute.name), POSITIVE_INT.describe_failure(value))
+    if attribute.name == "max_n" and value < instance.min_n:
+        raise ConfigError(_key_path(type(instance), attribute.name),
+                          f"expected an int >= speculative.ngram.min_n ({instance.min_n}), got {value}")
+
+
+@attrs.frozen
+class NgramConfig:
+    """``speculative.ngram:`` — prompt-lookup proposals.
+
+    Attributes:
+        min_n, max_n: the n-gram sizes matched against the sequence's own tokens, longest
+            first; ``1 <= min_n <= max_n``.
+    """
+
+    min_n: int = attrs.field(default=1, validator=_check_ngram_sizes)
+    max_n: int = attrs.field(default=4, validator=_check_ngram_sizes)
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """``speculative:`` — speculative decoding (:mod:`zllm.runtime.speculative`): a proposer
+    guesses up to ``num_tokens`` tokens, one verify step of the model keeps what it agrees
+    with. The output is distributed exactly as without it (greedy: the same tokens, bit for
+    bit with ``runtime.batch_invariant``).
+
+    Attributes:
+        method: the proposer: ``ngram`` (the sequence's own earlier tokens), or ``None``
+            (default) for no speculation.
+        num_tokens: the most tokens proposed per step, 1..16 (``K``).
+        adaptive: adapt each sequence's ``K`` to its measured acceptance, down to none (with
+            an occasional probe); ``false`` always proposes ``num_tokens``.
+        ngram: see :class:`NgramConfig`.
+    """
+
+    method: str | None = _config_field(_one_of(*SPECULATIVE_METHODS).or_null(), None)
+    num_tokens: int = _config_field(Check("an int in 1..16", lambda v: _is_int(v) and 1 <= v <= 16), 4)
+    adaptive: bool = _config_field(Check("true or false", lambda v: isinstance(v, bool)), True)
+    ngram: NgramConfig = attrs.Factory(NgramConfig)
+
+
 TOOL_PARSER_FORMATS: tuple[str, ...] = ("harmony", "qwen3_coder", "hermes", "deepseek_v3", "mistral", "llama3_json")
 """The chat formats whose tool calls zllm reads (zllm.engine.tool_parsers declares each)."""
 TOOL_PARSERS: tuple[str, ...] = ("auto", "none", *TOOL_PARSER_FORMATS)
@@ -403,7 +450,7 @@ class ZllmConfig:
 
     Attributes:
         schema_version: always :data:`SCHEMA_VERSION`; older files are migrated first.
-        model, backend, runtime, generation, server: the sections.
+        model, backend, runtime, generation, server, speculative: the sections.
     """
 
     # kw_only lets schema_version come first (as in a file) ahead of the required `model`.
@@ -416,6 +463,7 @@ class ZllmConfig:
     runtime: RuntimeConfig = attrs.Factory(RuntimeConfig)
     generation: GenerationDefaults = attrs.Factory(GenerationDefaults)
     server: ServerConfig = attrs.Factory(ServerConfig)
+    speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
 
 
 def _section_paths(cl: type, prefix: str) -> dict[type, str]:
