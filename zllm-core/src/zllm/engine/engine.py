@@ -23,13 +23,13 @@ from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoni
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
 from zllm.engine.loop import EngineLoop, RequestHandle
 from zllm.engine.structured import StructuredOutput
-from zllm.runtime.speculative import NgramProposer, Proposer
 from zllm.engine.tool_parsers import resolve_format
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
 from zllm.runtime.sequence import Sequence, TokenConstraint
+from zllm.runtime.speculative import NgramProposer, Proposer
 from zllm.spec.config import SpeculativeConfig, ZllmConfig, config_from_dict, load_config
 from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
 from zllm.spec.request import (
