@@ -246,9 +246,9 @@ def _filtered(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tens
 
 def race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from f32 ``[V]`` probabilities (any positive scale): the exponential race
-    ``argmax(probs / -log(u))``, ``u = torch.rand(V, generator=generator)`` (None: torch's global
-    generator) — the draw every
-    sampled token of the runtime makes, one generator call per token."""
+    ``argmax(probs / -log(u))``, ``u = torch.rand(V, generator=generator)`` (None: torch's
+    global generator) — the draw every sampled token of the runtime makes, one generator
+    call per token."""
     u = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float32)
     return int((probs / -torch.log(u)).argmax())
 
