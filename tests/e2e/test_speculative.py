@@ -18,7 +18,7 @@ import torch
 
 import zllm
 from tests.conftest import MODEL_DIR, copy_tokenizer, write_config
-from zllm.runtime.speculative import NgramProposer
+from zllm.runtime.speculative import NgramProposer, Proposal
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a big "
          "red ball in the park. Once upon a time, there was a little girl named Lily. She loved to")
@@ -42,9 +42,12 @@ class ReplayProposer:
             known = self.continuations.get(tuple(seq.prompt_ids), [])
             at = len(seq.output_ids)
             rng = random.Random(hash((self.seed, tuple(seq.prompt_ids), at)))
-            out.append([rng.randrange(self.vocab) if rng.random() < self.error_rate else t
-                        for t in known[at: at + k]])
+            out.append(Proposal([rng.randrange(self.vocab) if rng.random() < self.error_rate else t
+                                 for t in known[at: at + k]]))
         return out
+
+    def release(self, seq):
+        pass
 
 
 def _config(tmp_path, model=MODEL_DIR / "hf", k: int | None = None, adaptive: bool = False, **runtime):

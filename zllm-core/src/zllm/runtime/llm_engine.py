@@ -126,6 +126,9 @@ class LLMEngine:
         tokens, finish reason ``expired``) per sequence whose deadline had passed, then the
         step's tokens."""
         outputs = [StepOutput(seq, "", (), True) for seq in self.scheduler.expire(time.monotonic())]
+        if self.proposer is not None:
+            for out in outputs:
+                self.proposer.release(out.seq)
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return outputs
@@ -140,6 +143,8 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _propose(self, step: ScheduledStep) -> ScheduledStep:
         """``step`` with proposals for its decodes: as many as each sequence's lookahead
@@ -161,8 +166,8 @@ class LLMEngine:
         if not any(ks):
             return step
         proposals = self.proposer.propose(seqs, ks)
-        return self.scheduler.add_lookahead(step, {s.seq_id: p[:k] for s, p, k in zip(seqs, proposals, ks, strict=True)
-                                                   if p and k})
+        wanted = {s.seq_id: p.cut(k) for s, p, k in zip(seqs, proposals, ks, strict=True) if p.tokens and k}
+        return self.scheduler.add_lookahead(step, wanted)
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """f32 ``[P, V]`` logits at every prompt position (one New Prefill; vLLM's
@@ -218,4 +223,6 @@ class LLMEngine:
         if seq.kv.num_tokens > seq.num_tokens:  # a verify step ended inside its accepted run
             self.scheduler.kv.truncate(seq.kv, seq.num_tokens)
         self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         return StepOutput(seq, text, token_ids, True, logprobs)

@@ -27,7 +27,7 @@ from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.sampler import Sampler, TokenLogprob, token_logprobs
 from zllm.runtime.scheduler import ScheduledStep
 from zllm.runtime.sequence import Sequence
-from zllm.runtime.speculative import verify
+from zllm.runtime.speculative import Proposal, verify
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -101,18 +101,19 @@ class ModelRunner:
         query_lens: list[int] = []
         sampling: list[Sequence] = []
         logits_rows: list[int] = []
-        verifying: list[tuple[Sequence, tuple[int, ...], int]] = []  # (seq, proposals, KV length before them)
+        verifying: list[tuple[Sequence, Proposal, int]] = []  # (seq, proposal, KV length before it)
         verify_rows: list[int] = []
         for i, (seq, n) in enumerate(step.items):
-            draft = step.lookahead[i] if step.lookahead else ()
+            proposal = step.lookahead[i] if step.lookahead else None
+            draft = proposal.tokens if proposal is not None else []
             start = seq.num_computed
-            ids += seq.token_span(start, start + n) + list(draft)
+            ids += seq.token_span(start, start + n) + draft
             m = n + len(draft)
             positions += range(start, start + m)
             slots += self.kv.append(seq.kv, m)
             query_lens.append(m)
-            if draft:
-                verifying.append((seq, draft, start + n))
+            if proposal is not None:
+                verifying.append((seq, proposal, start + n))
                 verify_rows += range(len(ids) - len(draft) - 1, len(ids))
             elif seq.num_computed == seq.num_tokens:
                 sampling.append(seq)
@@ -140,17 +141,18 @@ class ModelRunner:
                            logprobs=any(n is not None for n in wanted), top_logprobs=top)
         return self._results(sampling, wanted, out)
 
-    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, tuple[int, ...], int]]) -> list[Sampled]:
-        """Verify each sequence's proposals against its ``k + 1`` rows of f32 logits, then roll
+    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, Proposal, int]]) -> list[Sampled]:
+        """Verify each sequence's proposal against its ``k + 1`` rows of f32 logits, then roll
         its KV back to the tokens it keeps."""
-        rows = [self._sampling_row(seq, draft[:j]) for seq, draft, _ in verifying for j in range(len(draft) + 1)]
+        rows = [self._sampling_row(seq, tuple(p.tokens[:j]))
+                for seq, p, _ in verifying for j in range(len(p.tokens) + 1)]
         dist = self.sampler.distributions(logits, rows)  # [sum(k + 1), V]
         results = []
         offset = 0
-        for seq, draft, kept in verifying:
-            k = len(draft)
-            tokens = verify(dist[offset: offset + k + 1], draft, seq.generator,
-                            greedy=seq.request.temperature < GREEDY_BELOW)
+        for seq, proposal, kept in verifying:
+            k = len(proposal.tokens)
+            tokens = verify(dist[offset: offset + k + 1], proposal.tokens, seq.generator,
+                            greedy=seq.request.temperature < GREEDY_BELOW, q=proposal.q)
             self.kv.truncate(seq.kv, kept + len(tokens) - 1)  # the last token is not computed yet
             logprobs = () if seq.request.logprobs is None else tuple(
                 token_logprobs(logits[offset: offset + len(tokens)], tokens, seq.request.logprobs))

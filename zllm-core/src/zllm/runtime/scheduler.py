@@ -44,6 +44,7 @@ import attrs
 
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.sequence import SeqStatus, Sequence
+from zllm.runtime.speculative import Proposal
 from zllm.spec.errors import RequestError
 
 EXPIRED_WAITING, EXPIRED_RUNNING = "expired_waiting", "expired_running"
@@ -56,12 +57,12 @@ EXPIRED_WAITING, EXPIRED_RUNNING = "expired_waiting", "expired_running"
 class ScheduledStep:
     """The work of one step: ``(sequence, number of new tokens to compute)`` pairs — the
     Decode Round's ``num_decodes`` items first, then at most one prefill chunk — and, per
-    item, the lookahead tokens (speculative proposals) computed after its new tokens:
-    ``lookahead[i]`` for ``items[i]``, empty for most (``()`` = no item has any)."""
+    item, the lookahead tokens (a speculative proposal) computed after its new tokens:
+    ``lookahead[i]`` for ``items[i]``, None for most (``()`` = no item has any)."""
 
     items: tuple[tuple[Sequence, int], ...]
     num_decodes: int
-    lookahead: tuple[tuple[int, ...], ...] = ()
+    lookahead: tuple[Proposal | None, ...] = ()
 
     @property
     def prefill_tokens(self) -> int:
@@ -236,19 +237,20 @@ class Scheduler:
         st.max_decodes_per_step = max(st.max_decodes_per_step, len(decodes))
         return step
 
-    def add_lookahead(self, step: ScheduledStep, proposals: dict[int, list[int]]) -> ScheduledStep:
-        """``step`` with each decode's proposals (by ``seq_id``) as its lookahead, cut to what
+    def add_lookahead(self, step: ScheduledStep, proposals: dict[int, Proposal]) -> ScheduledStep:
+        """``step`` with each decode's proposal (by ``seq_id``) as its lookahead, cut to what
         the free KV blocks hold: speculation never evicts the prefix cache or preempts a
         sequence. Call right after :meth:`schedule`, whose promises it extends."""
-        lookahead: list[tuple[int, ...]] = []
+        lookahead: list[Proposal | None] = []
         for i, (seq, n) in enumerate(step.items):
-            draft = proposals.get(seq.seq_id, []) if i < step.num_decodes else []
+            proposal = proposals.get(seq.seq_id) if i < step.num_decodes else None
+            size = 0 if proposal is None else len(proposal.tokens)
             own = self.kv.blocks_needed(seq.kv, n)  # already promised by schedule()
-            while draft and not self.kv.can_append(seq.kv, n + len(draft), self._promised - own):
-                draft = draft[:-1]
-            self._promised += self.kv.blocks_needed(seq.kv, n + len(draft)) - own
-            lookahead.append(tuple(draft))
-        self.stats.lookahead_tokens += sum(len(d) for d in lookahead)
+            while size and not self.kv.can_append(seq.kv, n + size, self._promised - own):
+                size -= 1
+            self._promised += self.kv.blocks_needed(seq.kv, n + size) - own
+            lookahead.append(proposal.cut(size) if proposal is not None and size else None)
+        self.stats.lookahead_tokens += sum(len(p.tokens) for p in lookahead if p is not None)
         return attrs.evolve(step, lookahead=tuple(lookahead)) if any(lookahead) else step
 
     @staticmethod

@@ -35,14 +35,37 @@ from zllm.runtime.sampler import race
 from zllm.runtime.sequence import Sequence
 
 
+@attrs.frozen(eq=False)
+class Proposal:
+    """A proposer's guess for one sequence.
+
+    Attributes:
+        tokens: the proposed next tokens (possibly none).
+        q: f32 ``[len(tokens), V]``, the distribution each token was drawn from (a draft
+            model's, after the request's sampling settings), or None: each token is certain
+            (one-hot), as for n-gram lookup.
+    """
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+    def cut(self, n: int) -> Proposal:
+        """The first ``n`` tokens of the proposal."""
+        return Proposal(self.tokens[:n], None if self.q is None else self.q[:n])
+
+
 class Proposer(Protocol):
-    """Guesses the next tokens of decoding sequences."""
+    """Guesses the next tokens of decoding sequences. Runs on the engine loop's thread."""
 
     name: str
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
         """Up to ``ks[i]`` next tokens of ``seqs[i]`` after ``seqs[i].all_ids`` (fewer, or
-        none, when it has no guess)."""
+        none, when it has no guess; ``ks[i] == 0`` asks for none)."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` ended (finished, aborted or expired): drop what the proposer keeps for it."""
         ...
 
 
@@ -62,8 +85,11 @@ class NgramProposer:
         assert 1 <= min_n <= max_n, (min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
-        return [self._one(s.all_ids, k) if k > 0 else [] for s, k in zip(seqs, ks, strict=True)]
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Proposal]:
+        return [Proposal(self._one(s.all_ids, k) if k > 0 else []) for s, k in zip(seqs, ks, strict=True)]
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing is kept per sequence."""
 
     def _one(self, ids: list[int], k: int) -> list[int]:
         length = len(ids)
