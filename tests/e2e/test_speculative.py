@@ -290,3 +290,21 @@ def test_sampled_tokens_with_speculation_are_distributed_as_without(tmp_path, pl
     for position in (1, 2):
         statistic, df = _homogeneity_chi_square([t[position] for t in without], [t[position] for t in speculated])
         assert statistic < _chi_square_critical(df), (position, statistic, df)
+
+
+def test_greedy_prompt_lookup_matches_transformers_assisted_generation(tmp_path):
+    """transformers' own prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same
+    checkpoint is an independent oracle: its greedy tokens equal zllm's with n-gram
+    speculation (and both equal plain greedy decoding)."""
+    from transformers import LlamaForCausalLM
+
+    with zllm.Engine.from_config(_config(tmp_path, k=4, adaptive=False)) as e:
+        ids = e.prompt_ids(e.parse({"prompt": STORY}))
+        ours = e.generate({"prompt_token_ids": ids, "max_tokens": 48, "ignore_eos": True})["token_ids"]
+        assert sum(e.llm.spec_stats.accepted) > 0
+    model = LlamaForCausalLM.from_pretrained(MODEL_DIR / "hf", dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=48, min_new_tokens=48, prompt_lookup_num_tokens=4,
+                             pad_token_id=0)
+    assert out[0, len(ids):].tolist() == ours
