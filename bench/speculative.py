@@ -170,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             for acceptance in args.acceptance:
                 spec = {"method": "ngram", "num_tokens": args.k, "adaptive": False}
                 res = measure(path, args, prompts, spec,
-                              lambda e, a=acceptance: ReplayProposer(known, a, e.tokenizer.vocab_size))
+                              lambda e, a=acceptance, c=known: ReplayProposer(c, a, e.tokenizer.vocab_size))
                 report({"model": label, "batch": batch, "method": "replay", "setting": f"K={args.k} p={acceptance}",
                         **res})
             for adaptive, ks in ((True, [args.k]), (False, args.wrong_k)):
                 for k in ks:
                     spec = {"method": "ngram", "num_tokens": k, "adaptive": adaptive}
                     res = measure(path, args, prompts, spec,
-                                  lambda e: ReplayProposer(known, 0.0, e.tokenizer.vocab_size))
+                                  lambda e, c=known: ReplayProposer(c, 0.0, e.tokenizer.vocab_size))
                     setting = f"K={k} " + ("adaptive" if adaptive else "fixed")
                     report({"model": label, "batch": batch, "method": "wrong", "setting": setting, **res})
     # n-gram on the trained model, on a prompt that already holds the story it continues.
