@@ -10,6 +10,7 @@ errors injected at a set rate, so every K and every accept length is exercised.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -308,3 +309,23 @@ def test_greedy_prompt_lookup_matches_transformers_assisted_generation(tmp_path)
                              do_sample=False, max_new_tokens=48, min_new_tokens=48, prompt_lookup_num_tokens=4,
                              pad_token_id=0)
     assert out[0, len(ids):].tolist() == ours
+
+
+def test_a_grammar_constrained_request_speculates_within_its_grammar(tmp_path, plain):
+    """Each verify row is masked by the grammar after the proposals before it, and proposals
+    are cut where the grammar stops allowing them: greedy JSON output is token-identical."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tags": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                        "maxItems": 4}},
+              "required": ["name", "age", "tags"], "additionalProperties": False}
+    req = {"prompt": STORY, "max_tokens": 80,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    expected = plain.generate(req)
+    with zllm.Engine.from_config(_config(tmp_path, k=4)) as e:
+        _use_replay(e, {STORY: expected["token_ids"]}, error_rate=0.3)
+        got = e.generate(req)
+        stats = e.llm.spec_stats
+        assert 0 < sum(stats.accepted) < sum(stats.proposed)
+    assert got["token_ids"] == expected["token_ids"] and got["finish_reason"] == expected["finish_reason"] == "stop"
+    json.loads(got["text"])
