@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=default_threads())
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant kernels on both sides (exact replays; slower steps)")
     p.add_argument("--json", metavar="OUT", type=Path, help="write settings and every measurement here")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -86,9 +88,9 @@ class ReplayProposer:
         """Nothing is kept per sequence."""
 
 
-def engine_config(path: Path, threads: int, spec: dict[str, Any] | None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"model": {"path": str(path)}, "backend": {"name": "cpu", "threads": threads},
-                           "runtime": {"batch_invariant": True, "max_num_seqs": 16}}
+def engine_config(path: Path, args, spec: dict[str, Any] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"model": {"path": str(path)}, "backend": {"name": "cpu", "threads": args.threads},
+                           "runtime": {"batch_invariant": args.batch_invariant, "max_num_seqs": 16}}
     if spec is not None:
         cfg["speculative"] = spec
     return cfg
@@ -126,7 +128,7 @@ def measure(path: Path, args, prompts: list[list[int]], spec: dict[str, Any] | N
             proposer_factory=None) -> dict[str, Any]:
     import zllm
 
-    with zllm.Engine.from_config(engine_config(path, args.threads, spec)) as engine:
+    with zllm.Engine.from_config(engine_config(path, args, spec)) as engine:
         if proposer_factory is not None:
             proposer = proposer_factory(engine)
             engine.loop.call(lambda llm: setattr(llm, "proposer", proposer))
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     story_path = ensure("stories260k")
     story_label = "stories260k f32 (story prompt)"
-    with zllm.Engine.from_config(engine_config(story_path, args.threads, None)) as engine:
+    with zllm.Engine.from_config(engine_config(story_path, args, None)) as engine:
         story = engine.generate({"prompt": "", "max_tokens": 400})["token_ids"]
     prompt = story[:300] + story[:60]
     for batch in sorted({1, args.batch}):
