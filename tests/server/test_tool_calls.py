@@ -102,16 +102,6 @@ def test_parallel_tool_calls_false_keeps_one_call(oai, tool_chat_server):
     assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_tool_choice_is_400_unsupported_until_constrained_decoding(oai, tool_chat_server, choice):
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=tool_chat_server.model, messages=USER, tools=TOOLS, tool_choice=choice,
-                                    max_completion_tokens=4)
-    body = info.value.body
-    assert body["param"] == "tool_choice" and body["code"] == "unsupported_parameter"
-    assert "constrained decoding" in body["message"]
-
-
 @pytest.mark.parametrize(
     ("kw", "param"),
     [({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
