@@ -204,7 +204,7 @@ def test_messages_stream_input_json_deltas(claude, tool_chat_server):
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [({"tools": [{"name": "get weather", "input_schema": {"type": "object"}}]}, "tools[0].name"),
-     ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}}, "constrained decoding"),
+     ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
      ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
      ({"messages": [*ANTHROPIC_HISTORY[:1], {"role": "assistant", "content": "ok"}, ANTHROPIC_HISTORY[2]]},
       "messages[2].content[0].tool_use_id"),
