@@ -107,21 +107,27 @@ def test_a_bad_request_with_n_opens_no_sequence(server):
     assert wait_until(lambda: server.metrics()["zllm_num_requests_running"] == 0)
 
 
-def test_client_disconnect_aborts_every_choice(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_every_choice(server, stream):
     idle = server.metrics()
     assert idle["zllm_num_requests_running"] == 0
-    body = {"model": server.model, "prompt": [311, 42, 43], "max_tokens": 480, "ignore_eos": True,
-            "temperature": 1.0, "n": 3, "stream": True}
+    body = {"model": server.model, "prompt": [311 + stream, 42, 43], "max_tokens": 480, "ignore_eos": True,
+            "temperature": 1.0, "n": 3, "stream": stream}
     seen: set[int] = set()
-    with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()  # kept: a dropped iterator closes the connection early
-        while len(seen) < 3:
-            line = next(lines)
-            if line.startswith("data: {"):
-                seen.add(json.loads(line[6:])["choices"][0]["index"])
-        during = server.metrics()
-    assert during["zllm_num_requests_running"] == 3
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()  # kept: a dropped iterator closes the connection early
+                while len(seen) < 3:
+                    line = next(lines)
+                    if line.startswith("data: {"):
+                        seen.add(json.loads(line[6:])["choices"][0]["index"])
+                assert server.metrics()["zllm_num_requests_running"] == 3
+        else:
+            # A non-streamed request abandoned by its client (read timeout) is aborted too.
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
     assert wait_until(lambda: server.metrics()["zllm_num_requests_running"] == 0)
     after = server.metrics()
     assert after["zllm_kv_blocks_running"] == 0
