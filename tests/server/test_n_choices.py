@@ -135,3 +135,14 @@ def test_client_disconnect_aborts_every_choice(server, stream):
     generated = after["zllm_inter_token_latency_seconds_count"] - idle["zllm_inter_token_latency_seconds_count"] + 3
     assert 3 <= generated < 3 * 400  # aborted well before their 480 tokens each
     assert server.healthy()
+
+
+def test_echo_with_n_echoes_the_prompt_in_every_choice(client, server):
+    out = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=9, n=2,
+                                    echo=True, logprobs=1)
+    alone = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1)
+    prompt_tokens = alone.choices[0].logprobs.tokens[: alone.usage.prompt_tokens]
+    for choice in out.choices:
+        assert choice.text.startswith(PROMPT)
+        assert choice.logprobs.tokens[: len(prompt_tokens)] == prompt_tokens
+        assert len(choice.logprobs.tokens) == len(prompt_tokens) + 4
