@@ -329,3 +329,19 @@ def test_a_grammar_constrained_request_speculates_within_its_grammar(tmp_path, p
         assert 0 < sum(stats.accepted) < sum(stats.proposed)
     assert got["token_ids"] == expected["token_ids"] and got["finish_reason"] == expected["finish_reason"] == "stop"
     json.loads(got["text"])
+
+
+def test_an_mla_model_rolls_its_latent_cache_back_and_keeps_greedy_output(tmp_path):
+    """DeepSeek-V3 (MLA latent cache, MoE): rejected proposals' latent rows are rolled back."""
+    from tests.parity.test_deepseek_vs_transformers import _save
+
+    _, path = _save(tmp_path, "v3-moe-grouped-bias-norm")
+    req = {"prompt": STORY, "max_tokens": 48, "ignore_eos": True}
+    with zllm.Engine.from_config(_config(tmp_path / "plain", model=path)) as p:
+        expected = p.generate(req)["token_ids"]
+    with zllm.Engine.from_config(_config(tmp_path / "spec", model=path, k=3)) as e:
+        assert [t.name for t in e.llm.scheduler.kv.spec.layers[0].tensors] == ["latent"]
+        _use_replay(e, {STORY: expected}, error_rate=0.35)
+        assert e.generate(req)["token_ids"] == expected
+        stats = e.llm.spec_stats
+        assert 0 < sum(stats.accepted) < sum(stats.proposed)
