@@ -496,6 +496,7 @@ def make_response(
     reasoning_content: str = "",
     tool_calls: Sequence[Mapping[str, str]] = (),
     logprobs: list[dict[str, Any]] | None = None,
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """The JSON result of a finished, non-streamed request.
 
@@ -512,16 +513,20 @@ def make_response(
         tool_calls: ``{"id", "name", "arguments"}`` per call, ``arguments`` JSON text.
         logprobs: :func:`make_logprobs` of every generated token, or None when the request
             did not ask for them.
+        stop_sequence: the request's ``stop`` string that ended generation, as matched in
+            the generated text; None when EOS, a stop token or the length limit did.
 
     Returns:
-        ``{"text", "token_ids", "finish_reason", "content", "reasoning_content", "tool_calls",
-        "logprobs", "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"}}``.
+        ``{"text", "token_ids", "finish_reason", "stop_sequence", "content", "reasoning_content",
+        "tool_calls", "logprobs", "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
+        "cached_tokens"}}``.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
         "text": text,
         "token_ids": list(token_ids),
         "finish_reason": finish_reason,
+        "stop_sequence": stop_sequence,
         **_answer(text, content, reasoning_content, tool_calls),
         "logprobs": logprobs,
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
@@ -553,18 +558,20 @@ def make_delta_event(text: str, token_ids: Sequence[int], *, content: str | None
 def make_final_event(
     finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *,
     content: str = "", reasoning_content: str = "", tool_calls: Sequence[Mapping[str, str]] = (),
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """The last event of a stream (arguments as in :func:`make_response`; ``content``,
     ``reasoning_content`` and ``tool_calls`` are the whole answer, as the deltas add up to).
 
     Returns:
-        ``{"type": "final", "finish_reason", "content", "reasoning_content", "tool_calls",
-        "usage": {...}}``, ``usage`` as in :func:`make_response`.
+        ``{"type": "final", "finish_reason", "stop_sequence", "content", "reasoning_content",
+        "tool_calls", "usage": {...}}``, ``usage`` as in :func:`make_response`.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
         "type": "final",
         "finish_reason": finish_reason,
+        "stop_sequence": stop_sequence,
         **_answer(content, None, reasoning_content, tool_calls),
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }
