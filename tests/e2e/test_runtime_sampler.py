@@ -72,30 +72,41 @@ def test_streamed_logprobs_add_up_to_the_whole_results(engine):
     assert engine.generate({**req, "logprobs": None})["logprobs"] is None
 
 
-def test_a_logits_mask_hook_confines_every_sampled_token(engine):
+class _FixedSet:
+    """A token constraint that allows one fixed set of tokens and records what it is told."""
+
+    def __init__(self, allowed: torch.Tensor, calls: list[str]):
+        self._allowed, self._calls = allowed, calls
+        self.finished = False
+
+    def allowed_tokens(self) -> torch.Tensor:
+        self._calls.append("mask")
+        return self._allowed
+
+    def accept(self, token_id: int) -> None:
+        self._calls.append("accept")
+
+
+def test_a_token_constraint_confines_every_sampled_token(engine):
     llm = engine.llm
     vocab = llm.runner.model.vocab_size
     allowed = torch.zeros(vocab, dtype=torch.bool)
     allowed[torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:40]] = True
-    calls = []
-
-    def mask(seq):
-        calls.append(len(seq.output_ids))
-        return allowed
+    calls: list[str] = []
 
     greedy = engine.parse({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
     seeded = engine.parse({"prompt": "The cat", "max_tokens": 16, "temperature": 1.0, "seed": 1, "ignore_eos": True,
                            "logprobs": 0})
     free = engine.parse({"prompt": "The cat", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
-    seqs = [llm.add_request(r, engine.prompt_ids(r), r.max_tokens) for r in (greedy, seeded, free)]
-    seqs[0].logits_mask = seqs[1].logits_mask = mask
+    seqs = [llm.add_request(r, engine.prompt_ids(r), r.max_tokens, constraint=c)
+            for r, c in ((greedy, _FixedSet(allowed, calls)), (seeded, _FixedSet(allowed, calls)), (free, None))]
     logprobs = []
     while any(s.finish_reason is None for s in seqs):
         logprobs += [lp for out in llm.step() if out.seq is seqs[1] for lp in out.logprobs]
     for s in seqs[:2]:
         assert len(s.output_ids) == 16 and all(bool(allowed[t]) for t in s.output_ids), s.output_ids
     assert not all(bool(allowed[t]) for t in seqs[2].output_ids), "the unmasked row in the same batch is free"
-    assert sorted(calls) == sorted(list(range(16)) * 2)  # once per sampled token of each masked sequence
+    assert calls.count("mask") == calls.count("accept") == 32  # once per sampled token of each masked sequence
     # The reported logprobs stay the model's raw distribution, mask or not.
     expected = _raw_logprobs(engine, seqs[1].prompt_ids, seqs[1].output_ids)
     assert [lp.logprob for lp in logprobs] == pytest.approx(

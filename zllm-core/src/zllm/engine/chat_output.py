@@ -10,23 +10,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from zllm.engine.tool_parsers import ChatOutputParser, OutputDelta, ToolFormat, make_output_parser
+from zllm.engine.tool_parsers import ChatOutputParser, OutputDelta, ToolFormat
 from zllm.engine.tool_parsers.base import merge
-from zllm.engine.tool_parsers.reasoning import END_THINK
+from zllm.engine.tool_parsers.reasoning import END_THINK, prompt_opens_reasoning
 from zllm.spec.request import FinishReason, GenerationRequest
 from zllm.tokenizer.chat import render_chat_text
 
 
-def output_parser(fmt: ToolFormat | None, tokenizer, req: GenerationRequest) -> ChatOutputParser | None:
-    """The parser of a ``messages`` request (None for ``prompt`` / ``prompt_token_ids``)."""
+def prompt_in_reasoning(tokenizer, req: GenerationRequest) -> bool:
+    """Whether a ``messages`` request's rendered prompt ends inside ``<think>`` (only a
+    template with reasoning renders the prompt's text to find out)."""
+    if req.messages is None or END_THINK not in (tokenizer.chat_template or ""):
+        return False
+    return prompt_opens_reasoning(render_chat_text(tokenizer, [m.to_dict() for m in req.messages],
+                                                   tools=req.tools or None))
+
+
+def output_parser(fmt: ToolFormat | None, tokenizer, req: GenerationRequest,
+                  in_reasoning: bool = False) -> ChatOutputParser | None:
+    """The parser of a ``messages`` request (None for ``prompt`` / ``prompt_token_ids``);
+    ``in_reasoning`` as :func:`prompt_in_reasoning` says."""
     if req.messages is None:
         return None
-    template = tokenizer.chat_template or ""
-    # Only templates with reasoning need the prompt's text: does it end inside <think>?
-    prompt_text = render_chat_text(tokenizer, [m.to_dict() for m in req.messages], tools=req.tools or None) \
-        if END_THINK in template else ""
-    return make_output_parser(fmt, tools=req.tools, parse_tools=req.parses_tools, template=template,
-                              prompt_text=prompt_text, parallel_tool_calls=req.parallel_tool_calls)
+    return ChatOutputParser(fmt, req.tools, parse_tools=req.parses_tools,
+                            reasoning=END_THINK in (tokenizer.chat_template or ""), in_reasoning=in_reasoning,
+                            parallel_tool_calls=req.parallel_tool_calls)
 
 
 class ChatAnswer:

@@ -16,16 +16,19 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mappi
 from pathlib import Path
 from typing import Any, cast
 
+import attrs
+
 from zllm.domain.family import model_kv_spec
-from zllm.engine.chat_output import ChatAnswer, output_parser
+from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoning
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
 from zllm.engine.loop import EngineLoop, RequestHandle
+from zllm.engine.structured import StructuredOutput
 from zllm.engine.tool_parsers import resolve_format
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
-from zllm.runtime.sequence import Sequence
+from zllm.runtime.sequence import Sequence, TokenConstraint
 from zllm.spec.config import ZllmConfig, config_from_dict, load_config
 from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
 from zllm.spec.request import (
@@ -81,6 +84,9 @@ class Engine:
         self._finalizer = weakref.finalize(self, self.loop.close)
         self.tool_format = resolve_format(cfg.server.tool_parser, loaded.tokenizer.chat_template)
         """The chat format tool calls are read in (``server.tool_parser``), or None."""
+        self.structured = StructuredOutput(loaded.tokenizer, self.llm.runner.model.vocab_size, loaded.eos_token_ids,
+                                           self.tool_format)
+        """Grammars of ``response_format`` and forced tool calls (compiled and cached per engine)."""
 
     @classmethod
     def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *,
@@ -156,8 +162,27 @@ class Engine:
                 vocabulary, the whole KV pool).
             EngineLoopError: the engine failed or was closed.
         """
+        return self._submit(self.prepare(request), deadline)
+
+    def prepare(self, request: dict[str, Any] | GenerationRequest) -> PreparedRequest:
+        """Everything a request needs before the engine loop takes it, done in the calling
+        thread: validation, the prompt's tokens, the answer parser and the compiled grammar
+        of ``response_format`` or a forced tool call.
+
+        Raises:
+            RequestError: an invalid request (a grammar that does not compile included).
+        """
         req = request if isinstance(request, GenerationRequest) else self.parse(request)
-        handle = self.loop.submit(req, self.prompt_ids(req), deadline)
+        ids = self.prompt_ids(req)
+        in_reasoning = prompt_in_reasoning(self.tokenizer, req)
+        return PreparedRequest(
+            req, ids, ChatAnswer(output_parser(self.tool_format, self.tokenizer, req, in_reasoning)),
+            self.structured.constraint(req, in_reasoning),
+            self.structured.marker_ids if req.messages is not None else frozenset())
+
+    def _submit(self, p: PreparedRequest, deadline: float | None) -> RequestHandle:
+        handle = self.loop.submit(p.request, p.prompt_ids, deadline, constraint=p.constraint,
+                                  keep_special_ids=p.keep_special_ids)
         handle.accepted.result()
         return handle
 
@@ -212,10 +237,9 @@ class Engine:
             DeadlineExceeded: from the iterator, once ``deadline`` (see :meth:`submit`) passed.
             EngineLoopError: from the iterator, when the engine failed or was closed.
         """
-        req = request if isinstance(request, GenerationRequest) else self.parse(request)
-        answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
-        handle = self.submit(req, deadline=deadline)
-        return EventStream(handle, self._stream_events(handle, answer))
+        p = self.prepare(request)
+        handle = self._submit(p, deadline)
+        return EventStream(handle, self._stream_events(handle, p.answer))
 
     def token_text(self, token_id: int) -> str:
         """One token's text for logprobs: "" for a padded logits column outside the vocabulary."""
@@ -252,9 +276,9 @@ class Engine:
             DeadlineExceeded: ``deadline`` (see :meth:`submit`) passed first.
             EngineLoopError: the engine failed or was closed.
         """
-        req = request if isinstance(request, GenerationRequest) else self.parse(request)
-        answer = ChatAnswer(output_parser(self.tool_format, self.tokenizer, req))
-        handle = self.submit(req, deadline=deadline)
+        p = self.prepare(request)
+        answer = p.answer
+        handle = self._submit(p, deadline)
         outputs = list(self._outputs(handle))
         text = "".join(out.text for out in outputs)
         answer.delta(text, final=True)
@@ -264,6 +288,25 @@ class Engine:
                              handle.prompt_tokens, len(seq.output_ids), seq.cached_tokens, **answer.whole(),
                              logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]),
                              stop_sequence=seq.stop_matcher.matched)
+
+
+@attrs.frozen
+class PreparedRequest:
+    """A request ready for the engine loop (:meth:`Engine.prepare`).
+
+    Attributes:
+        request: the validated request.
+        prompt_ids: its prompt's token ids.
+        answer: its answer parser.
+        constraint: its grammar matcher, or None.
+        keep_special_ids: special tokens its text keeps (a chat format's markers).
+    """
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    answer: ChatAnswer
+    constraint: TokenConstraint | None
+    keep_special_ids: frozenset[int]
 
 
 class EventStream(Iterator[dict[str, Any]]):
@@ -310,10 +353,13 @@ class AsyncEventStream:
     async def _run(self, engine: Engine, request: dict[str, Any] | GenerationRequest,
                    deadline: float | None) -> AsyncGenerator[dict[str, Any], None]:
         req = request if isinstance(request, GenerationRequest) else engine.parse(request)
-        answer = ChatAnswer(output_parser(engine.tool_format, engine.tokenizer, req))
-        ids = engine.prompt_ids(req)
-        self.prompt_tokens = len(ids)
-        handle = engine.loop.submit(req, ids, deadline, asyncio.get_running_loop())
+        # A grammar may take a while to compile (and the first builds the token table): off the event loop.
+        p = await asyncio.to_thread(engine.prepare, req) if req.response_format is not None or req.forced_tools \
+            else engine.prepare(req)
+        answer = p.answer
+        self.prompt_tokens = len(p.prompt_ids)
+        handle = engine.loop.submit(req, p.prompt_ids, deadline, asyncio.get_running_loop(), constraint=p.constraint,
+                                    keep_special_ids=p.keep_special_ids)
         try:
             await asyncio.wrap_future(handle.accepted)
             while True:

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import attrs
 
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
-from zllm.runtime.sequence import Sequence
+from zllm.runtime.sequence import Sequence, TokenConstraint
 from zllm.spec.request import GenerationRequest
 
 T = TypeVar("T")
@@ -130,6 +130,8 @@ class _Submit:
     request: GenerationRequest
     prompt_ids: list[int]
     deadline: float | None
+    constraint: TokenConstraint | None
+    keep_special_ids: frozenset[int]
 
 
 @attrs.frozen
@@ -166,15 +168,17 @@ class EngineLoop:
     # ---- callers' side -------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, prompt_ids: list[int], deadline: float | None,
-               aloop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+               aloop: asyncio.AbstractEventLoop | None = None, *, constraint: TokenConstraint | None = None,
+               keep_special_ids: frozenset[int] = frozenset()) -> RequestHandle:
         """Send a tokenized request; its acceptance arrives on ``handle.accepted``. ``aloop``:
-        the event loop whose coroutine reads the outputs (None: a thread reads them).
+        the event loop whose coroutine reads the outputs (None: a thread reads them);
+        ``constraint`` and ``keep_special_ids`` as in :meth:`LLMEngine.add_request`.
 
         Raises:
             EngineLoopError: the loop has ended (failed or closed).
         """
         handle = RequestHandle(self, len(prompt_ids), aloop)
-        self._send(_Submit(handle, request, prompt_ids, deadline))
+        self._send(_Submit(handle, request, prompt_ids, deadline, constraint, keep_special_ids))
         return handle
 
     def abort(self, handle: RequestHandle, wait: bool = True) -> None:
@@ -265,7 +269,8 @@ class EngineLoop:
         if isinstance(command, _Submit):
             handle = command.handle
             try:
-                seq = self.llm.add_request(command.request, command.prompt_ids, command.request.max_tokens)
+                seq = self.llm.add_request(command.request, command.prompt_ids, command.request.max_tokens,
+                                           constraint=command.constraint, keep_special_ids=command.keep_special_ids)
             except Exception as exc:  # noqa: BLE001 - a rejected request fails its own submit only
                 handle.accepted.set_exception(exc)
                 return

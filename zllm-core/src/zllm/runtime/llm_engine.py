@@ -17,7 +17,7 @@ from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.runner import ModelRunner, Sampled
 from zllm.runtime.sampler import TokenLogprob
 from zllm.runtime.scheduler import Scheduler
-from zllm.runtime.sequence import Sequence
+from zllm.runtime.sequence import Sequence, TokenConstraint
 from zllm.spec.errors import ContextLengthError, RequestError
 from zllm.spec.request import GenerationRequest
 from zllm.tokenizer import IncrementalDetokenizer
@@ -70,8 +70,13 @@ class LLMEngine:
         self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens)
         self._ids = itertools.count()
 
-    def add_request(self, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int) -> Sequence:
+    def add_request(self, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int, *,
+                    constraint: TokenConstraint | None = None,
+                    keep_special_ids: frozenset[int] = frozenset()) -> Sequence:
         """Queue a request whose prompt is already tokenized.
+
+        ``constraint`` limits the sequence's tokens (a grammar's matcher); ``keep_special_ids``
+        are special tokens its text keeps (a chat format's markers).
 
         Raises:
             RequestError: empty prompt or a token id outside the vocabulary.
@@ -93,7 +98,8 @@ class LLMEngine:
             next(self._ids), request, list(prompt_ids), max_new_tokens,
             # ignore_eos (vLLM's switch, for benchmarks) keeps only the request's own stop ids
             (frozenset() if request.ignore_eos else self.eos_token_ids) | frozenset(request.stop_token_ids),
-            IncrementalDetokenizer(self.tokenizer, prompt_ids=list(prompt_ids)), generator,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids=list(prompt_ids), keep_special_ids=keep_special_ids),
+            generator, constraint,
         )
         self.scheduler.add(seq)
         return seq
@@ -136,10 +142,14 @@ class LLMEngine:
         if token in seq.stop_token_ids:
             return self._finish(seq, "stop", "", ())
         seq.output_ids.append(token)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         logprobs = () if sampled.logprob is None else (sampled.logprob,)
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.push([token]))
         if stopped:
             return self._finish(seq, "stop", text, (token,), logprobs, flush=False)
+        if seq.constraint is not None and seq.constraint.finished:  # complete: no EOS step needed
+            return self._finish(seq, "stop", text, (token,), logprobs)
         cap = self.scheduler.max_tokens_per_seq  # a sequence that fills the whole KV pool stops there
         if (len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_length
                 or (cap is not None and seq.num_tokens >= cap)):

@@ -46,7 +46,15 @@ def _is_plain_greedy(seq: Sequence) -> bool:
     temperature, no penalty, no logits mask, no logprobs."""
     r = seq.request
     return (r.temperature < GREEDY_BELOW and r.repetition_penalty == 1.0 and r.presence_penalty == 0.0
-            and r.frequency_penalty == 0.0 and r.logprobs is None and seq.logits_mask is None)
+            and r.frequency_penalty == 0.0 and r.logprobs is None and seq.constraint is None)
+
+
+def _mask(seq: Sequence, device: torch.device) -> torch.Tensor | None:
+    """The sequence's allowed tokens for this sample, on the logits' device (None: any)."""
+    if seq.constraint is None:
+        return None
+    mask = seq.constraint.allowed_tokens()
+    return None if mask is None else mask.to(device)
 
 
 @attrs.frozen
@@ -71,7 +79,7 @@ class ModelRunner:
         computed span reached its last token.
 
         Raises:
-            ValueError: a sequence's ``logits_mask`` hook returned a bad mask
+            ValueError: a sequence's constraint returned a bad mask
                 (:func:`zllm.runtime.sampler.apply_masks`).
         """
         ids: list[int] = []
@@ -95,7 +103,7 @@ class ModelRunner:
             if all(_is_plain_greedy(s) for s in sampling):
                 tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
                 return [Sampled(s, t) for s, t in zip(sampling, tokens.tolist(), strict=True)]
-            masks = [s.logits_mask(s) if s.logits_mask is not None else None for s in sampling]
+            masks = [_mask(s, self.device) for s in sampling]
             wanted = [s.request.logprobs for s in sampling]
             top = max((n for n in wanted if n is not None), default=0)
             out = self.sampler(logits, [self._sampling_row(s) for s in sampling],

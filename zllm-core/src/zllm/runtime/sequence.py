@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from zllm.runtime.kv_cache import SeqKV
 from zllm.runtime.stop import StopStringMatcher
 from zllm.spec.request import GenerationRequest
+
+
+class TokenConstraint(Protocol):
+    """What limits a sequence's tokens (a grammar's matcher, :mod:`zllm.runtime.grammar`).
+
+    The runtime calls :meth:`allowed_tokens` before each of the sequence's tokens is sampled
+    and :meth:`accept` with each token it keeps (a stop token that ends the sequence is not
+    passed); a sequence whose constraint is :attr:`finished` ends with reason ``stop``.
+    """
+
+    def allowed_tokens(self) -> torch.Tensor | None:
+        """The tokens allowed next — bool ``[V]`` or a packed int32 ``[ceil(V / 32)]``
+        bitmask sized to the model's logits (:func:`zllm.runtime.sampler.apply_masks`) — or
+        None for no limit at this token."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing may follow: the sequence ends without sampling an EOS."""
+        ...
 
 
 class SeqStatus(enum.Enum):
@@ -30,14 +54,13 @@ class Sequence:
     the sequence, queued or running (:meth:`zllm.runtime.scheduler.Scheduler.expire`); None
     = no limit.
 
-    ``logits_mask`` is the hook a constraint (a grammar's matcher) sets: called with the
-    sequence before each of its tokens is sampled, it returns the tokens allowed next —
-    bool ``[V]`` or a packed int32 bitmask sized to the model's logits
-    (:func:`zllm.runtime.sampler.apply_masks`) — or None for no constraint at that token.
+    ``constraint`` (a :class:`TokenConstraint`, e.g. a grammar's matcher) limits which tokens
+    may be sampled; None = any.
     """
 
     def __init__(self, seq_id: int, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int,
-                 stop_token_ids: frozenset[int], detokenizer, generator: torch.Generator):
+                 stop_token_ids: frozenset[int], detokenizer, generator: torch.Generator,
+                 constraint: TokenConstraint | None = None):
         self.seq_id = seq_id
         self.request = request
         self.prompt_ids = prompt_ids
@@ -54,7 +77,7 @@ class Sequence:
         self.prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int64)
         self.first_token_time: float | None = None
         self.deadline: float | None = None
-        self.logits_mask: Callable[[Sequence], torch.Tensor | None] | None = None
+        self.constraint = constraint
 
     @property
     def num_computed(self) -> int:

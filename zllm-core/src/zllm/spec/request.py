@@ -17,9 +17,16 @@ messages               non-empty list of {role, content}  is required)
                        (null only for an assistant message
                        with tool_calls); see below
 tools                  list of function tools (below)     — (none)
-tool_choice            "auto" or "none" ("required" and   — ("auto")
-                       a named function need constrained
-                       decoding: rejected for now)
+tool_choice            "auto", "none", "required" or     — ("auto")
+                       {type: function, function: {name}}
+                       ("required" and a named function
+                       are enforced by a grammar)
+response_format        null, {type: text}, {type:         — (null: unconstrained)
+                       json_object}, {type: json_schema,
+                       json_schema: {name, schema,
+                       strict, description}}, {type:
+                       regex, regex}, {type: grammar,
+                       grammar}; see below
 parallel_tool_calls    bool; false keeps the first call   — (true)
 max_tokens             int >= 1                           max_new_tokens
 temperature            number >= 0; 0 = greedy            temperature
@@ -49,6 +56,16 @@ by default), floored at ``-9999.0`` so that ``-inf`` stays valid JSON
 ``messages`` is a conversation that the model's chat template turns into the prompt (the
 engine ends it with the template's generation prompt); special-token text inside a message's
 content stays plain text. ``true``/``false`` are never accepted as numbers.
+
+``response_format`` constrains the answer, token by token, with a grammar
+(:mod:`zllm.runtime.grammar`): ``json_object`` any JSON object, ``json_schema`` JSON valid
+under ``json_schema.schema`` (OpenAI's shape; ``strict`` is accepted and the schema is always
+enforced), and two zllm extensions: ``regex`` text matching ``regex`` as a whole (Rust
+``regex`` syntax) and ``grammar`` text of a Lark grammar (llguidance's dialect) or a GBNF
+grammar (llama.cpp's). The JSON is compact (no whitespace between tokens). A reasoning
+model's ``<think>`` section is not constrained; the grammar starts after it. A forced tool
+call (``tool_choice`` ``required`` or a named function) is enforced the same way, in the
+model's tool-call syntax; it and a ``response_format`` other than ``text`` exclude each other.
 
 Tools follow OpenAI's shape: ``{"type": "function", "function": {"name", "description",
 "parameters", "strict"}}``, the name matching :data:`TOOL_NAME_PATTERN`, ``parameters`` a JSON
@@ -91,7 +108,7 @@ from zllm.spec.config import (
     to_tuple,
     unknown_name_message,
 )
-from zllm.spec.errors import RequestError, UnsupportedRequestError
+from zllm.spec.errors import RequestError
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 """``stop``: a stop string, stop token or EOS ended generation; ``length``: ``max_tokens``
@@ -301,6 +318,7 @@ def _to_tools(v: Any) -> Any:
             raise RequestError(f"{where}.function.description", f"expected a string, got {_short(fn['description'])}")
         if fn.get("parameters") is not None:
             _object(fn["parameters"], f"{where}.function.parameters", "a JSON schema object")
+            check_json_schema(fn["parameters"], f"{where}.function.parameters")
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise RequestError(f"{where}.function.strict", f"expected true or false, got {_short(fn['strict'])}")
         out.append({"type": "function", "function": {k: fn[k] for k in _FUNCTION_KEYS if fn.get(k) is not None}})
@@ -313,6 +331,56 @@ TOOL_CHOICE = Check(
     or (isinstance(v, Mapping) and v.get("type") == "function" and isinstance(v.get("function"), Mapping)
         and isinstance(v["function"].get("name"), str)),
 )
+
+
+RESPONSE_FORMAT_TYPES: tuple[str, ...] = ("text", "json_object", "json_schema", "regex", "grammar")
+_RESPONSE_FORMAT_KEYS = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",),
+                         "grammar": ("grammar",)}
+_JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
+
+
+def _to_response_format(v: Any) -> Any:
+    """Check ``response_format``; ``{"type": "text"}`` becomes None (no constraint).
+
+    Raises:
+        RequestError: naming ``response_format`` or the key below it that is wrong, an
+            invalid JSON schema included (checked against its metaschema by ``jsonschema``).
+    """
+    if v is None:
+        return None
+    m = _object(v, "response_format", "an object {type, ...}")
+    kind = m.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise RequestError("response_format.type", unknown_name_message("type", kind, RESPONSE_FORMAT_TYPES))
+    _check_keys(m, ("type", *_RESPONSE_FORMAT_KEYS[kind]), "response_format")
+    if kind == "text":
+        return None
+    if kind in ("regex", "grammar"):
+        text = m.get(kind)
+        if not isinstance(text, str) or not text:
+            raise RequestError(f"response_format.{kind}", f"expected a non-empty string, got {_short(text)}")
+    if kind == "json_schema":
+        spec = _object(m.get("json_schema"), "response_format.json_schema", "an object {name, schema, strict}")
+        _check_keys(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
+        for key, types, what in (("name", str, "a string"), ("description", str, "a string"),
+                                 ("strict", bool, "true or false")):
+            if spec.get(key) is not None and not isinstance(spec[key], types):
+                raise RequestError(f"response_format.json_schema.{key}", f"expected {what}, got {_short(spec[key])}")
+        schema = _object(spec.get("schema"), "response_format.json_schema.schema", "a JSON schema object")
+        check_json_schema(schema, "response_format.json_schema.schema")
+    return dict(m)
+
+
+def check_json_schema(schema: Mapping[str, Any], where: str) -> None:
+    """Raise RequestError naming ``where`` when ``schema`` is not a valid JSON schema (its
+    draft's metaschema, via ``jsonschema``; draft 2020-12 when it names none)."""
+    import jsonschema  # a well-kept validator; imported here, off the import path of the CLI
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
+        raise RequestError(f"{where}{at}", f"is not a valid JSON schema: {exc.message}") from None
 
 
 def _short(v: Any) -> str:
@@ -346,6 +414,7 @@ class GenerationRequest:
     tools: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_to_tools)
     tool_choice: Any = _request_field(TOOL_CHOICE, "auto")
     parallel_tool_calls: bool = _request_field(BOOL, True)
+    response_format: dict[str, Any] | None = attrs.field(default=None, converter=_to_response_format)
     max_tokens: int = _request_field(POSITIVE_INT)
     temperature: float = _request_field(TEMPERATURE, converter=to_float)
     top_p: float = _request_field(TOP_P, converter=to_float)
@@ -384,9 +453,19 @@ class GenerationRequest:
             known = [t["function"]["name"] for t in self.tools]
             if name not in known:
                 raise RequestError("tool_choice", unknown_name_message("tool", name, known))
-        raise UnsupportedRequestError(
-            "tool_choice", "forcing a tool call (required, any, or a named tool) needs constrained decoding, which "
-            "zllm does not do yet; use 'auto' or 'none'")
+        if self.response_format is not None:
+            raise RequestError("response_format", "a forced tool call (tool_choice required or a named function) "
+                                                  "and a response_format both constrain the answer; give one")
+
+    @property
+    def forced_tools(self) -> tuple[dict[str, Any], ...]:
+        """The tools the answer must call (one or more calls), or () when it need not call one:
+        all tools for ``required``, the named one for a named ``tool_choice``."""
+        if self.tool_choice == "required":
+            return self.tools
+        if isinstance(self.tool_choice, Mapping):
+            return tuple(t for t in self.tools if t["function"]["name"] == self.tool_choice["function"]["name"])
+        return ()
 
     @property
     def parses_tools(self) -> bool:
@@ -413,7 +492,8 @@ _DEFAULTED_FIELDS = {
 }
 _ALIASES = {"add_special_tokens": "add_bos"}  # vLLM's and HF's name for the same switch
 _ACCEPTED_FIELDS = tuple(f.name for f in attrs.fields(GenerationRequest)) + tuple(_ALIASES)
-_UNDEFAULTED_FIELDS = {*_PROMPT_FORMS, "ignore_eos", "tools", "tool_choice", "parallel_tool_calls", "logprobs"}
+_UNDEFAULTED_FIELDS = {*_PROMPT_FORMS, "ignore_eos", "tools", "tool_choice", "parallel_tool_calls", "logprobs",
+                       "response_format"}
 assert set(_DEFAULTED_FIELDS) | _UNDEFAULTED_FIELDS == {f.name for f in attrs.fields(GenerationRequest)}
 
 

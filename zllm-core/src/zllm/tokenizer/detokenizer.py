@@ -41,11 +41,14 @@ class IncrementalDetokenizer:
             Without a prompt, or with one of skipped special tokens only, they add up to
             ``decode(output)``.
         skip_special_tokens: drop special tokens, as ``Tokenizer.decode`` does.
+        keep_special_ids: special tokens kept as text all the same (a chat format's markers,
+            such as ``[TOOL_CALLS]``, which its output parser reads).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True,
+                 keep_special_ids: frozenset[int] = frozenset()):
         self._tok = tokenizer
-        self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._special = tokenizer.special_token_ids - keep_special_ids if skip_special_tokens else frozenset()
         self._bytes = tokenizer.byte_fallback_ids
         context = self._kept(prompt_ids or [])
         start = max(0, len(context) - PROMPT_CONTEXT_TOKENS)

@@ -269,6 +269,11 @@ class Tokenizer:
                 )
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The vocabulary as ``tokenizers`` JSON (``tokenizer.json``'s format, without a
+        post-processor), for libraries that build their own token table from it."""
+        return self._hf.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of the token whose text is ``token``, or ``None``."""
         return self._hf.token_to_id(token)

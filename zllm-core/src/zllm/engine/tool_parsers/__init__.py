@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from zllm.engine.tool_parsers import deepseek_v3, harmony, hermes, llama3_json, mistral, qwen3_coder
 from zllm.engine.tool_parsers.base import (
     NewId,
     OutputDelta,
@@ -38,6 +39,7 @@ from zllm.engine.tool_parsers.base import (
     merge,
 )
 from zllm.engine.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from zllm.engine.tool_parsers.forced import CallGrammar, ForcedCalls
 from zllm.engine.tool_parsers.harmony import HarmonyParser
 from zllm.engine.tool_parsers.hermes import HermesParser
 from zllm.engine.tool_parsers.llama3_json import Llama3JsonParser
@@ -46,7 +48,8 @@ from zllm.engine.tool_parsers.qwen3_coder import Qwen3CoderParser
 from zllm.engine.tool_parsers.reasoning import END_THINK, ThinkSplitter, prompt_opens_reasoning
 from zllm.spec.config import TOOL_PARSER_FORMATS
 
-__all__ = ["FORMATS", "ChatOutputParser", "OutputDelta", "ParsedOutput", "ToolCall", "ToolCallDelta", "ToolFormat",
+__all__ = ["FORMATS", "ChatOutputParser", "ForcedCalls", "OutputDelta", "ParsedOutput", "ToolCall", "ToolCallDelta",
+           "ToolFormat",
            "detect_format", "make_output_parser", "openai_call_id", "parse_output", "resolve_format"]
 
 
@@ -63,12 +66,15 @@ class ToolFormat:
         name: the ``server.tool_parser`` value that selects it.
         parser: the :class:`OutputParser` subclass that reads it.
         template_markers: texts that all appear in a chat template of this format.
+        call_grammar: the Lark grammar of a forced block of calls in this syntax
+            (:mod:`zllm.engine.tool_parsers.forced`).
         new_id: makes call ids the format's templates accept.
     """
 
     name: str
     parser: type[OutputParser]
     template_markers: tuple[str, ...]
+    call_grammar: CallGrammar
     new_id: NewId = openai_call_id
 
     @property
@@ -79,12 +85,12 @@ class ToolFormat:
 
 # Detection order: the more specific markers first (Qwen3-Coder's templates also say <tool_call>).
 FORMATS: tuple[ToolFormat, ...] = (
-    ToolFormat("harmony", HarmonyParser, ("<|channel|>", "<|message|>")),
-    ToolFormat("qwen3_coder", Qwen3CoderParser, ("<function=", "<parameter=")),
-    ToolFormat("hermes", HermesParser, ("<tool_call>",)),
-    ToolFormat("deepseek_v3", DeepSeekV3Parser, ("tool▁calls▁begin",)),
-    ToolFormat("mistral", MistralParser, ("[TOOL_CALLS]",), mistral_call_id),
-    ToolFormat("llama3_json", Llama3JsonParser, ("<|python_tag|>",)),
+    ToolFormat("harmony", HarmonyParser, ("<|channel|>", "<|message|>"), harmony.call_grammar),
+    ToolFormat("qwen3_coder", Qwen3CoderParser, ("<function=", "<parameter="), qwen3_coder.call_grammar),
+    ToolFormat("hermes", HermesParser, ("<tool_call>",), hermes.call_grammar),
+    ToolFormat("deepseek_v3", DeepSeekV3Parser, ("tool▁calls▁begin",), deepseek_v3.call_grammar),
+    ToolFormat("mistral", MistralParser, ("[TOOL_CALLS]",), mistral.call_grammar, mistral_call_id),
+    ToolFormat("llama3_json", Llama3JsonParser, ("<|python_tag|>",), llama3_json.call_grammar),
 )
 _BY_NAME = {f.name: f for f in FORMATS}
 assert set(_BY_NAME) == set(TOOL_PARSER_FORMATS), "zllm.spec.config.TOOL_PARSER_FORMATS lists every format"

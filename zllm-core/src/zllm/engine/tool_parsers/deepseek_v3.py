@@ -13,6 +13,7 @@ and ``deepseekv31_tool_parser.py``.
 from __future__ import annotations
 
 from zllm.engine.tool_parsers.base import OutputParser, is_prefix_of_any, split_at
+from zllm.engine.tool_parsers.forced import ForcedCalls, calls_grammar, quoted
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -101,3 +102,16 @@ class DeepSeekV3Parser(OutputParser):
             return False
         self._state = "calls"
         return True
+
+
+def call_grammar(forced: ForcedCalls) -> str:
+    """Forced calls in one calls block: V3's ``function`` type and fenced JSON when the
+    template writes the fence, else V3.1's bare JSON."""
+    fenced = FENCE_OPEN.strip() in forced.template
+
+    def call(f: ForcedCalls, name: str, args: str) -> str:
+        if fenced:
+            return (f"{f.literal(CALL_BEGIN)} {quoted('function')} {f.literal(SEP)} "
+                    f"{quoted(name + chr(10) + FENCE_OPEN)} {args} {quoted(FENCE_CLOSE)} {f.literal(CALL_END)}")
+        return f"{f.literal(CALL_BEGIN)} {quoted(name)} {f.literal(SEP)} {args} {f.literal(CALL_END)}"
+    return calls_grammar(forced, call, begin=(forced.literal(CALLS_BEGIN),), end=(forced.literal(CALLS_END),))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 
 from zllm.engine.tool_parsers.base import OutputParser, split_at
+from zllm.engine.tool_parsers.forced import ForcedCalls, calls_grammar, quoted
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN, CONSTRAIN = "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"
@@ -79,3 +80,12 @@ class HarmonyParser(OutputParser):
             self._reasoning(text)
         else:
             self._text(text)
+
+
+def call_grammar(forced: ForcedCalls) -> str:
+    """A forced call as one commentary message to ``functions.NAME`` with JSON arguments;
+    ``<|call|>`` ends the generation, so there is one call per answer."""
+    def call(f: ForcedCalls, name: str, args: str) -> str:
+        return (f"{f.literal(CHANNEL)} {quoted(f'commentary to=functions.{name} ')} {f.literal(CONSTRAIN)} "
+                f"{quoted('json')} {f.literal(MESSAGE)} {args} {f.literal(CALL)}")
+    return calls_grammar(forced, call, parallel=False)

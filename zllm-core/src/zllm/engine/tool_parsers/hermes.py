@@ -12,6 +12,7 @@ own instructions ("return a json object with function name and arguments within
 from __future__ import annotations
 
 from zllm.engine.tool_parsers.base import JsonCallScanner, OutputParser, split_at
+from zllm.engine.tool_parsers.forced import ForcedCalls, calls_grammar, json_call_head, quoted
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -56,3 +57,11 @@ class HermesParser(OutputParser):
                 self._buf = ""
                 return
             self._call = None
+
+
+def call_grammar(forced: ForcedCalls) -> str:
+    """Forced calls in Hermes' form, one ``<tool_call>`` block each, joined by a newline."""
+    def call(f: ForcedCalls, name: str, args: str) -> str:
+        head = quoted("\n" + json_call_head(name, "arguments"))
+        return f"{f.literal(OPEN)} {head} {args} {quoted('}' + chr(10))} {f.literal(CLOSE)}"
+    return calls_grammar(forced, call, separator=quoted("\n"))

@@ -11,6 +11,7 @@ Reference: Meta's Llama 3.1/3.2 prompt format ("JSON based tool calling") and vL
 from __future__ import annotations
 
 from zllm.engine.tool_parsers.base import JsonCallScanner, OutputParser, is_prefix_of_any
+from zllm.engine.tool_parsers.forced import ForcedCalls, calls_grammar, json_call_head, quoted
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -91,3 +92,10 @@ class Llama3JsonParser(OutputParser):
         # Not a call object: the rest of the answer is text.
         self._text((self._raw if self._calls == 0 else "") + call.text + self._buf)
         self._buf, self._raw, self._state = "", "", "content"
+
+
+def call_grammar(forced: ForcedCalls) -> str:
+    """Forced calls as Meta's JSON objects with ``parameters``, joined by ``"; "``."""
+    def call(f: ForcedCalls, name: str, args: str) -> str:
+        return f"{quoted(json_call_head(name, 'parameters'))} {args} {quoted('}')}"
+    return calls_grammar(forced, call, separator=quoted("; "))

@@ -15,6 +15,7 @@ import secrets
 import string
 
 from zllm.engine.tool_parsers.base import JsonCallScanner, JsonDepth, OutputParser, split_at
+from zllm.engine.tool_parsers.forced import ForcedCalls, calls_grammar, json_call_head, quoted
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -112,3 +113,18 @@ class MistralParser(OutputParser):
         self._arguments(self._buf)
         self._buf = ""
         return False
+
+
+def call_grammar(forced: ForcedCalls) -> str:
+    """Forced calls in the tokenizer version the template writes: v11+ (its template says
+    ``[ARGS]``) one ``[TOOL_CALLS]name[ARGS]{…}`` per call, v3 one ``[TOOL_CALLS]`` and a
+    JSON list."""
+    if ARGS in forced.template:
+        def v11(f: ForcedCalls, name: str, args: str) -> str:
+            return f"{f.literal(TOOL_CALLS)} {quoted(name)} {f.literal(ARGS)} {args}"
+        return calls_grammar(forced, v11)
+
+    def v3(f: ForcedCalls, name: str, args: str) -> str:
+        return f"{quoted(json_call_head(name, 'arguments'))} {args} {quoted('}')}"
+    return calls_grammar(forced, v3, begin=(forced.literal(TOOL_CALLS), quoted(" [")), separator=quoted(", "),
+                         end=(quoted("]"),))

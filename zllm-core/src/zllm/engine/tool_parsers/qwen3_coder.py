@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zllm.engine.tool_parsers.base import OutputParser, is_prefix_of_any, split_at
+from zllm.engine.tool_parsers.forced import ForcedCalls, calls_grammar, quoted
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -166,3 +167,34 @@ class Qwen3CoderParser(OutputParser):
     def _close_call(self) -> None:
         self._arguments("}" if self._params else "{}")
         self._params = -1  # closed
+
+
+_TEXT_VALUE = r"/[^<\n]([^<]*[^<\n])?/"  # a string parameter's text: no markup, no layout newline at its ends
+
+
+def _parameter_value(forced: ForcedCalls, schema: Mapping[str, Any]) -> str:
+    """A Lark expression for one parameter's text: strings as plain text (their enum when
+    they have one), every other type as JSON (what :func:`cast_value` reads back)."""
+    if schema.get("type") == "string":
+        enum = schema.get("enum")
+        return "(" + " | ".join(quoted(v) for v in enum) + ")" if enum else _TEXT_VALUE
+    return forced.json_rule(schema)
+
+
+def call_grammar(forced: ForcedCalls) -> str:
+    """Forced calls in Qwen3-Coder's XML: every required parameter, then each optional one
+    or not, in the schema's order, each value on its own lines."""
+    schemas = dict(forced.tools)
+
+    def call(f: ForcedCalls, name: str, args: str) -> str:
+        schema = schemas[name]
+        required = set(schema.get("required", ()))
+        parts = []
+        for key, prop in (schema.get("properties") or {}).items():
+            part = (f"{quoted(f'{PARAMETER}{key}>' + chr(10))} {_parameter_value(f, prop)} "
+                    f"{quoted(chr(10) + PARAMETER_END + chr(10))}")
+            parts.append(f"({part})" if key in required else f"({part})?")
+        body = " ".join(parts)
+        return (f"{f.literal(OPEN)} {quoted(chr(10) + FUNCTION + name + '>' + chr(10))} {body} "
+                f"{quoted(FUNCTION_END + chr(10))} {f.literal(CLOSE)}")
+    return calls_grammar(forced, call, separator=quoted("\n"))
