@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import shutil
 import socket
 from typing import Annotated
 
@@ -32,7 +31,7 @@ from agents import (
 )
 from pydantic import Field
 
-from tests.server.conftest import QWEN25_TOOL_TEMPLATE, TOOL_ANSWER_TEXT, start_server
+from tests.server.conftest import TOOL_ANSWER_TEXT
 
 set_tracing_disabled(True)
 
@@ -149,24 +148,7 @@ def _hf_prompt_tokens(tool_chat, messages) -> int:
     return len(tok.apply_chat_template(hf, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
-@pytest.fixture(scope="module")
-def random_tool_server(tmp_path_factory, tiny_chat):
-    """``tiny_chat`` (random weights) with Qwen2.5's tool template and a 2048-token window: it
-    calls tools only when decoding is constrained to a call."""
-    tmp = tmp_path_factory.mktemp("serve-random-tools")
-    path = tmp / "tiny-chatml-tools"
-    shutil.copytree(tiny_chat.path, path)
-    (path / "chat_template.jinja").write_text(QWEN25_TOOL_TEMPLATE)
-    # The template spells each tool's JSON schema into the prompt: more than tiny_chat's 256
-    # positions. RoPE weights have no length, so a longer window is the same model.
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    srv = start_server(tmp, path, server={"served_model_name": "tiny-chatml-tools"})
-    yield srv
-    srv.stop()
-
-
-def test_a_random_weight_model_forced_by_tool_choice_required_makes_a_valid_call(random_tool_server):
+def test_a_random_weight_model_forced_by_tool_choice_required_makes_a_valid_call(random_tool_chat_server):
     ran: list[dict] = []
 
     # Bounds in the schema keep a random model's call short: the grammar enforces them.
@@ -177,7 +159,7 @@ def test_a_random_weight_model_forced_by_tool_choice_required_makes_a_valid_call
         return WEATHER_REPORT
 
     agent = Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
-                  model=_model(random_tool_server),
+                  model=_model(random_tool_chat_server),
                   model_settings=ModelSettings(temperature=0, max_tokens=96, tool_choice="required",
                                                parallel_tool_calls=False))
     result = _run(agent, USER)

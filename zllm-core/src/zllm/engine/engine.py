@@ -84,7 +84,7 @@ class Engine:
         self._finalizer = weakref.finalize(self, self.loop.close)
         self.tool_format = resolve_format(cfg.server.tool_parser, loaded.tokenizer.chat_template)
         """The chat format tool calls are read in (``server.tool_parser``), or None."""
-        self.structured = StructuredOutput(loaded.tokenizer, self.llm.runner.model.vocab_size, loaded.eos_token_ids,
+        self.structured = StructuredOutput(loaded.tokenizer, self.llm.sample_width, loaded.eos_token_ids,
                                            self.tool_format)
         """Grammars of ``response_format`` and forced tool calls (compiled and cached per engine)."""
 

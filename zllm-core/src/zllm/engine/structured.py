@@ -31,7 +31,8 @@ class StructuredOutput:
 
     Args:
         tokenizer: the model's tokenizer (its chat template picks format versions).
-        vocab_size: the model's logits width ``V`` (a padded vocabulary included).
+        vocab_size: the width ``V`` of the logits tokens are sampled from
+            (:attr:`zllm.runtime.llm_engine.LLMEngine.sample_width`).
         eos_token_ids: ids that end a sequence.
         tool_format: the chat format forced tool calls are written in, or None.
     """

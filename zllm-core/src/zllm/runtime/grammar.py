@@ -6,9 +6,10 @@ cached by its definition — and each constrained sequence gets a :class:`Gramma
 copied from the compiled one. Before a constrained token is sampled the matcher fills a
 packed int32 bitmask ``[ceil(V / 32)]`` of the tokens the grammar allows next
 (:func:`zllm.runtime.sampler.apply_masks` applies it), and every accepted token advances
-it. The logits' width ``V`` includes a padded vocabulary's extra columns, which no grammar
-allows. The end-of-sequence ids are allowed exactly where the grammar may end; once it
-cannot continue, the sequence finishes without sampling one (:attr:`GrammarMatcher.finished`).
+it. ``V`` is the width tokens are sampled from; a wider one (a padded vocabulary's extra
+columns) is allowed no column past the tokenizer's vocabulary. The end-of-sequence ids
+are allowed exactly where the grammar may end; once it cannot continue, the sequence
+finishes without sampling one (:attr:`GrammarMatcher.finished`).
 
 Why llguidance rather than xgrammar (both are well-kept and fast; vLLM and SGLang ship
 both): llguidance has no Python dependencies, while xgrammar needs torch, transformers,
@@ -137,7 +138,7 @@ class GrammarCompiler:
 
     Args:
         tokenizer: the model's tokenizer.
-        vocab_size: the width ``V`` of the model's logits (a padded vocabulary included).
+        vocab_size: the width ``V`` of the logits tokens are sampled from.
         eos_token_ids: the ids that end a sequence; the grammar allows them where it may end.
 
     Thread-safe. The token table is built on first use (about a second for a 150k-token
@@ -162,8 +163,9 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary (built once, from the tokenizer's JSON)."""
         with self._lock:
             if self._token_table is None:
+                # No EOS ids (a vocabulary without one): llguidance takes the tokenizer's own.
                 self._token_table = llguidance.LLTokenizer(
-                    self._tokenizer.to_json(), n_vocab=self._vocab_size, eos_token=self._eos)
+                    self._tokenizer.to_json(), n_vocab=self._vocab_size, eos_token=self._eos or None)
             return self._token_table
 
     def compile(self, grammar: str) -> CompiledGrammar:

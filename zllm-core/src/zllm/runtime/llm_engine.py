@@ -66,7 +66,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
-        self.runner = ModelRunner(model, ops, kv, device, batch_invariant)
+        self.sample_width = min(model.vocab_size, tokenizer.vocab_size)
+        """Logits columns tokens are sampled from (a padded vocabulary's extra columns are not)."""
+        self.runner = ModelRunner(model, ops, kv, device, batch_invariant, self.sample_width)
         self.scheduler = Scheduler(kv, max_num_seqs, max_prefill_tokens, prefix_cache_seqs, max_batch_tokens)
         self._ids = itertools.count()
 

@@ -67,10 +67,17 @@ class Sampled:
 
 
 class ModelRunner:
-    """Owns the model, its bound kernels and the KV cache of one engine."""
+    """Owns the model, its bound kernels and the KV cache of one engine.
 
-    def __init__(self, model, ops, kv: PagedKVCache, device: torch.device, batch_invariant: bool = False):
+    ``sample_width``: tokens are sampled from the first ``sample_width`` logits columns only
+    (the tokenizer's vocabulary): a padded vocabulary's extra columns belong to no token, and
+    a token the tokenizer cannot decode must never be drawn. None = every column.
+    """
+
+    def __init__(self, model, ops, kv: PagedKVCache, device: torch.device, batch_invariant: bool = False,
+                 sample_width: int | None = None):
         self.model, self.ops, self.kv, self.device = model, ops, kv, device
+        self.sample_width = sample_width
         self.scale = kv.spec.attention_scale  # the family's, not derived from a cached width
         self.sampler = Sampler(batch_invariant=batch_invariant)
 
@@ -100,6 +107,8 @@ class ModelRunner:
                                    tuple(n for _, n in step.items), logits_rows)  # [S', V]
             if not sampling:
                 return []
+            if self.sample_width is not None and logits.shape[1] > self.sample_width:
+                logits = logits[:, : self.sample_width]  # a view: padded columns are never candidates
             if all(_is_plain_greedy(s) for s in sampling):
                 tokens = torch.argmax(logits, dim=-1)  # [S'], lowest index on ties, as the sampler
                 return [Sampled(s, t) for s, t in zip(sampling, tokens.tolist(), strict=True)]

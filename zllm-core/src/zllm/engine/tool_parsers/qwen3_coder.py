@@ -173,28 +173,33 @@ _TEXT_VALUE = r"/[^<\n]([^<]*[^<\n])?/"  # a string parameter's text: no markup,
 
 
 def _parameter_value(forced: ForcedCalls, schema: Mapping[str, Any]) -> str:
-    """A Lark expression for one parameter's text: strings as plain text (their enum when
-    they have one), every other type as JSON (what :func:`cast_value` reads back)."""
-    if schema.get("type") == "string":
-        enum = schema.get("enum")
-        return "(" + " | ".join(quoted(v) for v in enum) + ")" if enum else _TEXT_VALUE
-    return forced.json_rule(schema)
+    """A Lark expression for one parameter's text: strings as plain text (their enum, or a
+    single line within their length bounds, when they have them), every other type as JSON
+    (what :func:`cast_value` reads back)."""
+    if schema.get("type") != "string":
+        return forced.json_rule(schema)
+    if schema.get("enum"):
+        return "(" + " | ".join(quoted(v) for v in schema["enum"]) + ")"
+    if "maxLength" in schema or "minLength" in schema:
+        low, high = max(1, int(schema.get("minLength", 1))), schema.get("maxLength")
+        return quoted("") if high == 0 else f"/[^<\\n]{{{low},{'' if high is None else int(high)}}}/"
+    return _TEXT_VALUE
 
 
 def call_grammar(forced: ForcedCalls) -> str:
     """Forced calls in Qwen3-Coder's XML: every required parameter, then each optional one
     or not, in the schema's order, each value on its own lines."""
     schemas = dict(forced.tools)
+    nl = quoted("\n")
 
     def call(f: ForcedCalls, name: str, args: str) -> str:
         schema = schemas[name]
         required = set(schema.get("required", ()))
         parts = []
         for key, prop in (schema.get("properties") or {}).items():
-            part = (f"{quoted(f'{PARAMETER}{key}>' + chr(10))} {_parameter_value(f, prop)} "
-                    f"{quoted(chr(10) + PARAMETER_END + chr(10))}")
+            part = (f"{f.literal(PARAMETER)} {quoted(key + '>' + chr(10))} {_parameter_value(f, prop)} {nl} "
+                    f"{f.literal(PARAMETER_END)} {nl}")
             parts.append(f"({part})" if key in required else f"({part})?")
-        body = " ".join(parts)
-        return (f"{f.literal(OPEN)} {quoted(chr(10) + FUNCTION + name + '>' + chr(10))} {body} "
-                f"{quoted(FUNCTION_END + chr(10))} {f.literal(CLOSE)}")
-    return calls_grammar(forced, call, separator=quoted("\n"))
+        return (f"{f.literal(OPEN)} {nl} {f.literal(FUNCTION)} {quoted(name + '>' + chr(10))} {' '.join(parts)} "
+                f"{f.literal(FUNCTION_END)} {nl} {f.literal(CLOSE)}")
+    return calls_grammar(forced, call, separator=nl)
