@@ -2,7 +2,8 @@
 
 The agent (``OpenAIChatCompletionsModel`` over an ``AsyncOpenAI`` client on the local server)
 sends the conversation and the tools, the model asks for tools, the SDK runs them, sends
-their results back and the model answers. Tracing is off (the SDK would report every run to
+their results back and the model answers; and an agent's ``output_type`` (a pydantic model)
+comes back validated. Tracing is off (the SDK would report every run to
 a remote service), and every test runs under a guard that refuses, and records, any
 connection or name lookup outside the loopback interface.
 """
@@ -13,7 +14,7 @@ import asyncio
 import ipaddress
 import json
 import socket
-from typing import Annotated
+from typing import Annotated, Literal
 
 import openai
 import pytest
@@ -29,7 +30,7 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from tests.server.conftest import TOOL_ANSWER_TEXT
 
@@ -176,3 +177,21 @@ def test_a_random_weight_model_forced_by_tool_choice_required_makes_a_valid_call
     assert [type(item).__name__ for item in answered.output] == ["ResponseOutputMessage"]
     assert result.final_output == answered.output[0].content[0].text
     assert answered.usage.input_tokens > asked.usage.input_tokens
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=12)
+    days: int = Field(ge=1, le=7)
+    conditions: list[Literal["sun", "rain", "wind"]] = Field(max_length=3)
+
+
+def test_agent_output_type_is_a_model_the_sdk_validated(tiny_chat_server):
+    # The SDK asks for its output type's strict JSON schema (response_format) and validates
+    # the answer into the model; a random-weight model gets there only by the grammar.
+    agent = Agent(name="forecaster", instructions="You write forecasts.", output_type=Forecast,
+                  model=_model(tiny_chat_server),
+                  model_settings=ModelSettings(temperature=1.0, max_tokens=200, extra_body={"seed": 4}))
+    result = _run(agent, USER)
+    assert isinstance(result.final_output, Forecast)
+    [response] = result.raw_responses
+    assert Forecast.model_validate_json(response.output[0].content[0].text) == result.final_output
