@@ -82,6 +82,7 @@ one :func:`make_final_event`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -373,14 +374,32 @@ def _to_response_format(v: Any) -> Any:
 
 def check_json_schema(schema: Mapping[str, Any], where: str) -> None:
     """Raise RequestError naming ``where`` when ``schema`` is not a valid JSON schema (its
-    draft's metaschema, via ``jsonschema``; draft 2020-12 when it names none)."""
+    draft's metaschema, via ``jsonschema``; draft 2020-12 when it names none). A schema seen
+    before is not checked again (a client sends the same schema with every request)."""
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON data: the metaschema check names what is wrong
+        text = None
+    problem = _schema_problem(text) if text is not None else _check_schema(schema)
+    if problem is not None:
+        at, message = problem
+        raise RequestError(f"{where}{at}", f"is not a valid JSON schema: {message}")
+
+
+@functools.lru_cache(maxsize=512)
+def _schema_problem(text: str) -> tuple[str, str] | None:
+    return _check_schema(json.loads(text))
+
+
+def _check_schema(schema: Any) -> tuple[str, str] | None:
+    """``(path below the schema, message)`` of its first metaschema violation, or None."""
     import jsonschema  # a well-kept validator; imported here, off the import path of the CLI
 
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
-        raise RequestError(f"{where}{at}", f"is not a valid JSON schema: {exc.message}") from None
+        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path), exc.message
+    return None
 
 
 def _short(v: Any) -> str:
