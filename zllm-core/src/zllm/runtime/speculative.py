@@ -21,6 +21,11 @@ batch-invariant mode makes them bit-identical).
 
 :class:`Lookahead` adapts ``k`` per sequence from its measured acceptance, down to no
 speculation with an occasional probe, so a proposer that keeps failing costs little.
+
+Proposers: :class:`NgramProposer` (``speculative.method: ngram``), and
+:class:`zllm.runtime.mtp.MtpProposer` (``mtp``): the checkpoint's own multi-token-prediction
+layer (DeepSeek-V3's nextn layer), a :class:`HiddenStateProposer` that reads the target's
+hidden states after every step and keeps its own paged cache in step with the target's.
 """
 
 from __future__ import annotations
