@@ -15,7 +15,8 @@ weights acceptance means nothing; what is checked:
   so far (its cache is in step after accepted and rejected runs, its speculative rows
   rolled back);
 - greedy output with MTP speculation is token-identical to greedy output without
-  (batch-invariant mode), for K in 1..4, in a mixed batch with sampling requests;
+  (batch-invariant mode), for K in 1..4, in a mixed batch with sampling requests, under
+  preemption and after a prefix-cache hit (the MTP cache restarts after the reused prefix);
 - a checkpoint without nextn layers is refused at load, naming the setting and the path.
 """
 
@@ -34,6 +35,7 @@ from tests.conftest import copy_tokenizer, write_config
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.mtp import MtpProposer
+from zllm.runtime.speculative import Proposal
 from zllm.spec.errors import ConfigError
 
 CONFIG = dict(
@@ -199,19 +201,26 @@ def test_mtp_layer_matches_a_per_token_f32_implementation_of_the_paper(tmp_path,
 
 
 class Recording:
-    """Delegates to the engine's MTP proposer and records each proposal with the tokens it
-    followed."""
+    """Records each proposal of the engine's MTP proposer with the tokens it followed, then
+    proposes instead the known greedy continuation with every third token wrong, so that
+    accepted runs of every length and rejections both happen (random MTP weights are
+    almost never accepted) while the MTP layer follows the sequence."""
 
     name = "mtp"
 
-    def __init__(self, inner: MtpProposer):
-        self.inner = inner
+    def __init__(self, inner: MtpProposer, continuation: dict[tuple[int, ...], list[int]]):
+        self.inner, self.continuation = inner, continuation
         self.calls: list[tuple[list[int], int, list[int]]] = []
 
     def propose(self, seqs, ks):
         out = self.inner.propose(seqs, ks)
         self.calls += [(list(s.all_ids), k, p.tokens) for s, k, p in zip(seqs, ks, out, strict=True) if k]
-        return out
+        replayed = []
+        for s, k in zip(seqs, ks, strict=True):
+            at = len(s.output_ids)
+            known = self.continuation.get(tuple(s.prompt_ids), [])[at: at + k]
+            replayed.append(Proposal([t if (at + j) % 3 else (t + 1) % 512 for j, t in enumerate(known)]))
+        return replayed
 
     def observe(self, rows):
         self.inner.observe(rows)
@@ -223,12 +232,17 @@ class Recording:
 def test_every_proposal_is_the_papers_greedy_chain_over_the_sequence_so_far(tmp_path, checkpoints):
     hf, _, path, nextn = checkpoints
     ref = ReferenceMtp(hf, nextn)
+    req = {"prompt": PROMPTS[1], "max_tokens": 24, "ignore_eos": True}
+    with zllm.Engine.from_config(_config(tmp_path / "plain", path)) as p:
+        prompt = p.prompt_ids(p.parse(req))
+        continuation = {tuple(prompt): p.generate(req)["token_ids"]}
     with zllm.Engine.from_config(_config(tmp_path, path, k=3, kv_cache={"block_size": 4}, prefix_cache_seqs=0)) as e:
-        recording = Recording(e.llm.proposer)
+        recording = Recording(e.llm.proposer, continuation)
         e.loop.call(lambda llm: setattr(llm, "proposer", recording))
-        e.generate({"prompt": PROMPTS[1], "max_tokens": 24, "ignore_eos": True})
+        assert e.generate(req)["token_ids"] == continuation[tuple(prompt)]
         e.generate({"prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True, "temperature": 1.0, "seed": 3})
-    assert len(recording.calls) > 8
+        accepted = e.llm.spec_stats.accepted
+    assert len(recording.calls) > 8 and accepted[0] > 0 and accepted[1] > 0
     for ids, k, drafts in recording.calls:
         assert drafts == ref.chain(ids, k), ids
 
@@ -275,3 +289,33 @@ def test_mtp_on_a_checkpoint_without_nextn_layers_is_refused_at_load(tmp_path, c
         zllm.Engine.from_config(_config(tmp_path, plain, k=2))
     assert err.value.path == "speculative.method"
     assert str(plain) in str(err.value) and "multi-token-prediction" in str(err.value)
+
+
+def test_preemption_and_prefix_reuse_keep_greedy_output_and_the_mtp_cache_restarts(tmp_path, checkpoints,
+                                                                                   plain_runs):
+    _, _, path, _ = checkpoints
+    reqs, expected = plain_runs
+    greedy = reqs[: len(PROMPTS)]
+    with zllm.Engine.from_config(_config(tmp_path / "tight", path, k=3, kv_cache={"num_blocks": 14, "block_size": 8},
+                                         prefix_cache_seqs=0)) as e:
+        results: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            results[i] = e.generate(greedy[i])["token_ids"]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(greedy))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert e.llm.scheduler.stats.preemptions > 0
+        assert [results[i] for i in range(len(greedy))] == expected[: len(greedy)]
+    follow = {"prompt": PROMPTS[0] + " and then", "max_tokens": 16, "ignore_eos": True}
+    with zllm.Engine.from_config(_config(tmp_path / "plain", path)) as p:
+        want = p.generate(follow)["token_ids"]
+    with zllm.Engine.from_config(_config(tmp_path / "reuse", path, k=3, prefix_cache_seqs=2)) as e:
+        e.generate({"prompt": PROMPTS[0] + " and then", "max_tokens": 1, "ignore_eos": True})
+        steps = e.llm.spec_stats.steps
+        again = e.generate(follow)
+        assert again["usage"]["cached_tokens"] > 0 and again["token_ids"] == want
+        assert e.llm.spec_stats.steps > steps  # proposals resumed over the rows after the reused prefix
