@@ -17,7 +17,8 @@ weights acceptance means nothing; what is checked:
 - greedy output with MTP speculation is token-identical to greedy output without
   (batch-invariant mode), for K in 1..4, in a mixed batch with sampling requests, under
   preemption and after a prefix-cache hit (the MTP cache restarts after the reused prefix);
-- a checkpoint without nextn layers is refused at load, naming the setting and the path.
+- a checkpoint without nextn layers is refused at load, naming the setting and the path
+  (``zllm run``: one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import zllm
+from tests.cli.conftest import one_line_error
+from tests.cli.conftest import zllm as zllm_cli
 from tests.conftest import copy_tokenizer, write_config
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
@@ -289,6 +292,10 @@ def test_mtp_on_a_checkpoint_without_nextn_layers_is_refused_at_load(tmp_path, c
         zllm.Engine.from_config(_config(tmp_path, plain, k=2))
     assert err.value.path == "speculative.method"
     assert str(plain) in str(err.value) and "multi-token-prediction" in str(err.value)
+    proc = zllm_cli("run", "--config", _config(tmp_path / "cli", plain, k=2), "--max-new-tokens", "2")
+    assert proc.returncode == 2
+    line = one_line_error(proc)
+    assert line.startswith("error: speculative.method: mtp needs") and str(plain) in line, line
 
 
 def test_preemption_and_prefix_reuse_keep_greedy_output_and_the_mtp_cache_restarts(tmp_path, checkpoints,
