@@ -16,7 +16,8 @@ weights acceptance means nothing; what is checked:
   rolled back);
 - greedy output with MTP speculation is token-identical to greedy output without
   (batch-invariant mode), for K in 1..4, in a mixed batch with sampling requests, under
-  preemption and after a prefix-cache hit (the MTP cache restarts after the reused prefix);
+  preemption, after a prefix-cache hit (the MTP cache restarts after the reused prefix) and
+  under a JSON-schema grammar;
 - a checkpoint without nextn layers is refused at load, naming the setting and the path
   (``zllm run``: one line, exit status 2).
 """
@@ -326,3 +327,20 @@ def test_preemption_and_prefix_reuse_keep_greedy_output_and_the_mtp_cache_restar
         again = e.generate(follow)
         assert again["usage"]["cached_tokens"] > 0 and again["token_ids"] == want
         assert e.llm.spec_stats.steps > steps  # proposals resumed over the rows after the reused prefix
+
+
+def test_a_grammar_constrained_request_keeps_greedy_output_with_mtp(tmp_path, checkpoints):
+    _, _, path, _ = checkpoints
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    req = {"prompt": PROMPTS[0], "max_tokens": 60,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    with zllm.Engine.from_config(_config(tmp_path / "plain", path)) as p:
+        expected = p.generate(req)
+    with zllm.Engine.from_config(_config(tmp_path / "mtp", path, k=3)) as e:
+        got = e.generate(req)
+        assert e.llm.spec_stats.proposed  # drafts the grammar allowed were verified
+    assert got["token_ids"] == expected["token_ids"] and got["finish_reason"] == expected["finish_reason"]
+    json.loads(got["text"])

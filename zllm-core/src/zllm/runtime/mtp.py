@@ -32,7 +32,7 @@ Bookkeeping, per sequence (Dimension legend: C hidden size, S sequences, V vocab
   carry no distribution (``q`` one-hot), as vLLM's MTP proposer: verification stays exact
   for sampled requests, only their acceptance is lower.
 
-A sequence under a grammar gets no proposals (the engine's rule) and is not tracked. A
+Drafts ignore a sequence's grammar: the engine keeps the prefix the grammar allows. A
 sequence whose MTP cache cannot grow (its pool is sized to the target's, so only under
 extreme preemption) is dropped and restarts at its next step.
 """
@@ -91,7 +91,7 @@ class MtpProposer:
         hidden: list[torch.Tensor] = []
         for r in rows:
             seq = r.seq
-            if seq.finish_reason is not None or seq.constraint is not None:
+            if seq.finish_reason is not None:
                 continue
             ids = seq.all_ids
             n = min(r.hidden.shape[0], len(ids) - 1 - r.start)  # rows whose next token is known
