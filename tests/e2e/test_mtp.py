@@ -19,7 +19,8 @@ weights acceptance means nothing; what is checked:
   preemption, after a prefix-cache hit (the MTP cache restarts after the reused prefix) and
   under a JSON-schema grammar;
 - a checkpoint without nextn layers is refused at load, naming the setting and the path
-  (``zllm run``: one line, exit status 2).
+  (``zllm run``: one line, exit status 2); one with part of an MTP layer names the missing
+  tensor.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from zllm.capabilities.ops import AttentionMetadata
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.mtp import MtpProposer
 from zllm.runtime.speculative import Proposal
-from zllm.spec.errors import ConfigError
+from zllm.spec.errors import CheckpointError, ConfigError
 
 CONFIG = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
@@ -344,3 +345,16 @@ def test_a_grammar_constrained_request_keeps_greedy_output_with_mtp(tmp_path, ch
         assert e.llm.spec_stats.proposed  # drafts the grammar allowed were verified
     assert got["token_ids"] == expected["token_ids"] and got["finish_reason"] == expected["finish_reason"]
     json.loads(got["text"])
+
+
+def test_a_checkpoint_with_part_of_an_mtp_layer_is_refused_naming_the_missing_tensor(tmp_path, checkpoints):
+    _, _, path, _ = checkpoints
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    tensors = load_file(path / "model.safetensors")
+    del tensors[NEXTN + "eh_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    (broken / "config.json").write_text((path / "config.json").read_text())
+    copy_tokenizer(broken)
+    with pytest.raises(CheckpointError, match=r"the MTP layer lacks 'model\.layers\.2\.eh_proj\.weight'"):
+        zllm.Engine.from_config(_config(tmp_path, broken))
