@@ -329,7 +329,8 @@ class Engine:
         assert seq is not None
         return make_response(text, list(seq.output_ids), answer.finish_reason(_finish_reason(seq)),
                              handle.prompt_tokens, len(seq.output_ids), seq.cached_tokens, **answer.whole(),
-                             logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]))
+                             logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]),
+                             stop_sequence=seq.stop_matcher.matched)
 
 
 @attrs.frozen
@@ -439,7 +440,8 @@ def _step_events(out: StepOutput, answer: ChatAnswer,
         if last["content"] or last["reasoning_content"] or last["tool_calls"]:
             events.append(make_delta_event("", [], **last, logprobs=logprobs(seq, ())))
         events.append(make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids),
-                                       len(seq.output_ids), seq.cached_tokens, **answer.whole()))
+                                       len(seq.output_ids), seq.cached_tokens, **answer.whole(),
+                                       stop_sequence=seq.stop_matcher.matched))
     return events
 
 

@@ -237,10 +237,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...],
                 logprobs: tuple[TokenLogprob, ...] = (), flush: bool = True) -> StepOutput:
         """End ``seq``. Unless a stop string ended it, release what was held back: an
-        incomplete UTF-8 tail and a tail that only looked like the start of a stop string."""
+        incomplete UTF-8 tail and a tail that only looked like the start of a stop string
+        (a stop string completed by that tail ends it as ``stop``)."""
         if flush:
             tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
             text += tail if stopped else tail + seq.stop_matcher.flush()
+            reason = "stop" if stopped else reason
         seq.finish_reason = reason
         if seq.kv.num_tokens > seq.num_tokens:  # a verify step ended inside its accepted run
             self.scheduler.kv.truncate(seq.kv, seq.num_tokens)
