@@ -355,7 +355,7 @@ class GenerationDefaults:
     add_bos: bool | None = _config_field(OPTIONAL_BOOL, None)
 
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "mtp")
 """Proposers of speculative decoding (zllm.runtime.speculative)."""
 
 
@@ -388,8 +388,9 @@ class SpeculativeConfig:
     bit with ``runtime.batch_invariant``).
 
     Attributes:
-        method: the proposer: ``ngram`` (the sequence's own earlier tokens), or ``None``
-            (default) for no speculation.
+        method: the proposer: ``ngram`` (the sequence's own earlier tokens), ``mtp`` (the
+            checkpoint's own multi-token-prediction layer, DeepSeek-V3's nextn layer), or
+            ``None`` (default) for no speculation.
         num_tokens: the most tokens proposed per step, 1..16 (``K``).
         adaptive: adapt each sequence's ``K`` to its measured acceptance, down to none (with
             an occasional probe); ``false`` always proposes ``num_tokens``.
