@@ -38,8 +38,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 import zllm
 from tests.conftest import REPO, write_config
+from tests.gguf_files import with_metadata
 from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits
 from zllm.plugins.host import PluginHost
+from zllm.spec.errors import ZllmError
 from zllm.weights import open_checkpoint
 from zllm.weights.formats import QuantizedTensor
 
@@ -180,3 +182,13 @@ def test_q8_0_file_keeps_experts_quantized_and_matches_the_reference_on_decoded_
     scale = reference.abs().amax(dim=-1, keepdim=True)
     assert float(((ours - reference).abs() / scale).max()) <= 5e-3
     assert _greedy(quantized) == _greedy(oracle)
+
+
+def test_expert_count_contradicting_the_expert_tensors_is_one_error_naming_a_tensor(converted, tmp_path):
+    case, _, _, files = converted
+    arch = CASES[case][1]
+    count = gguf.GGUFReader(files["f32"]).fields[f"{arch}.expert_count"].contents()
+    bad = with_metadata(files["f32"], tmp_path / "bad.gguf", {f"{arch}.expert_count": count + 1})
+    with pytest.raises(ZllmError, match=r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.") as e:
+        _engine(tmp_path / "e", bad)
+    assert str(count + 1) in str(e.value) and "\n" not in str(e.value)
