@@ -35,7 +35,9 @@ GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 #: Written last into a generated checkpoint: its content says which layout wrote it, so a
 #: checkpoint from an older harness (another tokenizer) is rebuilt rather than reused.
 _DONE_MARKER = ".bench-complete"
-_LAYOUT = "layout=2 (transformers save_pretrained, llama SPM tokenizer.json)"
+_LAYOUT_VERSION = "layout=2"
+_LAYOUT = f"{_LAYOUT_VERSION} (transformers save_pretrained, llama SPM tokenizer.json)"
+_MOE_LAYOUT = f"{_LAYOUT_VERSION} (transformers save_pretrained, GPT-2 BPE tokenizer.json)"
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ def create_random_moe(directory: Path, config: dict[str, Any], seed: int = 0) ->
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
     model.save_pretrained(directory, safe_serialization=True)
     build_gpt2_tokenizer(directory)
-    (directory / _DONE_MARKER).write_text(f"{_LAYOUT}\nGPT-2 BPE tokenizer.json\nseed={seed}\n")
+    (directory / _DONE_MARKER).write_text(f"{_MOE_LAYOUT}\nseed={seed}\n")
 
 
 def create_random_llama(directory: Path, config: dict[str, Any], seed: int = 0) -> None:
@@ -231,7 +233,7 @@ def ensure(name: str) -> Path:
     (or was written by an older layout of this harness)."""
     model = MODELS[name]
     marker = model.path / _DONE_MARKER
-    if model.create is not None and not (marker.exists() and marker.read_text().startswith(_LAYOUT)):
+    if model.create is not None and not (marker.exists() and marker.read_text().startswith(_LAYOUT_VERSION + " ")):
         print(f"[bench] creating {name} in {model.path} (once) ...", flush=True)
         model.create(model.path)
     return model.path
