@@ -149,7 +149,7 @@ def create_random_moe(directory: Path, config: dict[str, Any], seed: int = 0) ->
     (directory / _DONE_MARKER).unlink(missing_ok=True)
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(**config)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(directory, safe_serialization=True)
     build_gpt2_tokenizer(directory)
     (directory / _DONE_MARKER).write_text(f"{_MOE_LAYOUT}\nseed={seed}\n")

@@ -40,13 +40,13 @@ Mixture-of-Experts files (``convert_hf_to_gguf.py`` ``LlamaModel`` / ``Qwen2MoeM
 - GGUF has no key for top-k renormalisation; llama.cpp's graphs fix it per architecture
   (``build_moe_ffn``'s ``norm_w``): ``llama`` (Mixtral) and ``qwen3moe`` renormalise,
   ``qwen2moe`` does not. A file that says ``expert_weights_norm`` is read as it says.
-- Layers without ``ffn_gate_inp`` are dense (HF ``mlp_only_layers``; llama.cpp itself expects
-  every layer of these architectures to be MoE).
+- Every layer is a MoE layer, as llama.cpp builds these architectures (its converter cannot
+  write Qwen2-MoE's dense ``mlp_only_layers``); a layer without its ``ffn_gate_inp`` is a
+  missing tensor, named.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -91,20 +91,11 @@ _QWEN_MOE_KEYS = (
     ConfigKey("moe_intermediate_size", "expert_feed_forward_length"),
 )
 
-_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
-
-
 def _renormalised(arch: str, value: Callable[[str], Any], default: bool) -> bool:
     """Top-k renormalisation: ``{arch}.expert_weights_norm`` when the file has it, else
     llama.cpp's fixed choice for the architecture (see the module docstring)."""
     norm = value(f"{arch}.expert_weights_norm")
     return default if norm is None else bool(norm)
-
-
-def _dense_layers(config: dict[str, Any], tensors: frozenset[str]) -> list[int]:
-    """Layers whose FFN has no router: HF ``mlp_only_layers``."""
-    routed = {int(m.group(1)) for name in tensors if (m := _ROUTER.fullmatch(name))}
-    return [i for i in range(config["num_hidden_layers"]) if i not in routed]
 
 
 def _finish_llama(config: dict[str, Any], value: Callable[[str], Any], tensors: frozenset[str]) -> dict[str, Any]:
@@ -118,9 +109,6 @@ def _finish_llama(config: dict[str, Any], value: Callable[[str], Any], tensors: 
     if not _renormalised("llama", value, True):
         raise ValueError("llama.expert_weights_norm false: Mixtral always renormalises its top-k weights "
                          "(supported: absent or true)")
-    if _dense_layers(config, tensors):
-        raise ValueError(f"llama.expert_count {experts} but layers {_dense_layers(config, tensors)} have no "
-                         "ffn_gate_inp (Mixtral routes every layer)")
     for key in ("attention_bias", "mlp_bias"):
         if config.pop(key):
             raise ValueError(f"a Mixtral file (llama.expert_count {experts}) with {key.replace('_', ' ')}es; "
@@ -129,21 +117,13 @@ def _finish_llama(config: dict[str, Any], value: Callable[[str], Any], tensors: 
 
 
 def _qwen_moe_finisher(arch: str, renormalise: bool) -> Callable[..., dict[str, Any]]:
+    """``finish_config`` of ``qwen2moe`` / ``qwen3moe``: top-k renormalisation."""
+
     def finish(config: dict[str, Any], value: Callable[[str], Any], tensors: frozenset[str]) -> dict[str, Any]:
         config["norm_topk_prob"] = _renormalised(arch, value, renormalise)
-        config["mlp_only_layers"] = _dense_layers(config, tensors)
         return config
 
     return finish
-
-
-def _qwen2_moe_finish(config: dict[str, Any], value: Callable[[str], Any], tensors: frozenset[str]) -> dict[str, Any]:
-    shared = value("qwen2moe.expert_shared_feed_forward_length")
-    if shared is None:
-        raise ValueError("missing required metadata key 'qwen2moe.expert_shared_feed_forward_length' "
-                         "(for config 'shared_expert_intermediate_size')")
-    config["shared_expert_intermediate_size"] = shared
-    return _qwen_moe_finisher("qwen2moe", renormalise=False)(config, value, tensors)
 
 
 _BLOCK_TENSORS = {
@@ -207,14 +187,15 @@ QWEN3 = GGUFArchMap(
 QWEN2_MOE = GGUFArchMap(
     model_type="qwen2_moe",
     constants={"hidden_act": "silu"},
-    keys=_DECODER_KEYS + _QWEN_MOE_KEYS,
+    keys=(*_DECODER_KEYS, *_QWEN_MOE_KEYS,
+          ConfigKey("shared_expert_intermediate_size", "expert_shared_feed_forward_length")),
     global_tensors=LLAMA.global_tensors,
     block_tensors={**_BLOCK_TENSORS, **_MOE_TENSORS, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
                    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
     bias_flags={},  # q/k/v biases are part of the architecture, as Qwen2
     rope_layout=ROPE_HALF_ROTATION,
-    finish_config=_qwen2_moe_finish,
+    finish_config=_qwen_moe_finisher("qwen2moe", renormalise=False),
 )
 
 QWEN3_MOE = GGUFArchMap(
