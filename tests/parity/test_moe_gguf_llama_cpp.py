@@ -1,12 +1,13 @@
 """MoE GGUF files written by llama.cpp's own converter read as the checkpoints they came from.
 
-Tiny Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2 models are saved by transformers
+Tiny Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3 models are saved by transformers
 (``save_pretrained``: per-expert tensors, the hub layout) with a byte-level BPE tokenizer
 built from llama.cpp's ``ggml-vocab-gpt-2.gguf`` (the converter refuses tokenizers whose
 pre-tokenizer it does not recognise), then converted by ``convert_hf_to_gguf.py`` from
 ``tests/llama_cpp_converter`` (see its README) — Mixtral as architecture ``llama`` with
-expert tensors, ``qwen2moe``, ``qwen3moe``, ``deepseek2`` — exactly as llama.cpp users
-convert models.
+expert tensors, ``qwen2moe``, ``qwen3moe``, ``deepseek2`` (V2 and V3; the V3 config gets the
+``"scoring_func": "sigmoid"`` transformers does not save, or the file would say softmax) —
+exactly as llama.cpp users convert models.
 
 - ``--outtype f32``: the first 32 greedy tokens equal transformers' and the last-position
   logits agree within 1e-4 relative to the row's largest logit.
@@ -66,6 +67,9 @@ CASES = {
                                                 norm_topk_prob=False), "qwen2_moe"),
     "qwen3_moe": ("qwen3_moe", "qwen3moe", dict(QWEN, num_experts=8, norm_topk_prob=True, head_dim=32), "qwen3_moe"),
     "deepseek_v2": ("deepseek_v2", "deepseek2", DEEPSEEK, "deepseek"),
+    # sigmoid scores, group-limited selection on score + correction bias, renormalised
+    "deepseek_v3": ("deepseek_v3", "deepseek2", dict(DEEPSEEK, q_lora_rank=24, n_group=4, topk_group=2,
+                                                     norm_topk_prob=True, routed_scaling_factor=2.5), "deepseek"),
 }
 
 
@@ -97,8 +101,15 @@ def _save(root: Path, case: str):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it steer the choice
+                buf.copy_(torch.randn(buf.shape) * 0.1)
     path = root / case
     model.save_pretrained(path)
+    if model_type == "deepseek_v3":
+        # transformers does not save scoring_func; without it the converter writes softmax gating.
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid"}))
     _gpt2_tokenizer(path)
     return model, path
 
@@ -188,7 +199,7 @@ def test_expert_count_contradicting_the_expert_tensors_is_one_error_naming_a_ten
     case, _, _, files = converted
     arch = CASES[case][1]
     count = gguf.GGUFReader(files["f32"]).fields[f"{arch}.expert_count"].contents()
-    bad = with_metadata(files["f32"], tmp_path / "bad.gguf", {f"{arch}.expert_count": count + 1})
+    bad = with_metadata(files["f32"], tmp_path / "bad.gguf", {f"{arch}.expert_count": 2 * count})
     with pytest.raises(ZllmError, match=r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.") as e:
         _engine(tmp_path / "e", bad)
-    assert str(count + 1) in str(e.value) and "\n" not in str(e.value)
+    assert str(2 * count) in str(e.value) and "\n" not in str(e.value)
