@@ -8,6 +8,11 @@ truncated and corrupt files before any tensor is used; tensor data then comes fr
 ``safetensors.safe_open(framework="pt")``, which (safetensors >= 0.4) maps the whole file
 copy-on-write with ``torch.UntypedStorage.from_file(shared=False)`` and returns views of
 that mapping — no second copy in RAM (``tests/weights`` checks the data pointers).
+
+What transformers never loads is not presented as a tensor (:attr:`HFCheckpoint.skipped_tensors`
+says what and why): ``*.rotary_emb.inv_freq`` buffers that older transformers versions saved,
+and in a sharded checkpoint a tensor a shard holds that ``model.safetensors.index.json`` does
+not map to that shard (the index decides, as in ``from_pretrained``).
 """
 
 from __future__ import annotations
