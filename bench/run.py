@@ -362,18 +362,18 @@ DECODE_TARGETS = {"f32": 0.9, "f16": 1.0, "bf16": 1.0, "q8_0": 0.8}
 SMALL_MODEL_TARGET = ("llama-15m", 0.6)
 
 
-def kv_bytes_per_token(cfg: dict[str, Any]) -> tuple[int, int | None]:
-    """``(zllm's f32 KV-cache bytes per token, an equivalent GQA cache's or None)`` from a
-    ``config.json``: K and V per KV head, or for MLA (``kv_lora_rank``) one latent row of
-    ``kv_lora_rank + qk_rope_head_dim`` beside the K (``nope + rope``) and V per head the same
-    attention would cache without the latent."""
+def kv_bytes_per_token(cfg: dict[str, Any], elem_bytes: int = 4) -> tuple[int, int | None]:
+    """``(zllm's KV-cache bytes per token, an equivalent cache's or None)`` from a
+    ``config.json``, ``elem_bytes`` per cached value: K and V per KV head, or for MLA
+    (``kv_lora_rank``) one latent row of ``kv_lora_rank + qk_rope_head_dim`` beside the K
+    (``nope + rope``) and V per head the same attention would cache without the latent."""
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     if cfg.get("kv_lora_rank"):
-        latent = layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+        latent = layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elem_bytes
         per_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]
-        return latent, layers * heads * per_head * 4
+        return latent, layers * heads * per_head * elem_bytes
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * layers * cfg.get("num_key_value_heads", heads) * head_dim * 4, None
+    return 2 * layers * cfg.get("num_key_value_heads", heads) * head_dim * elem_bytes, None
 
 
 def kv_cache_bytes(hf_dir: Path, tokens: int, block_size: int = 16) -> int:
@@ -427,11 +427,11 @@ def format_moe(report: dict[str, Any]) -> str:
     counts), the experts a batch of 16 touches, and the KV-cache bytes per token beside an
     equivalent cache of K and V per head."""
     header = ["model", "dtype", "weights MiB", "active MiB/token", "experts (top-k of E)",
-              "touched by 16 seqs", "KV bytes/token (f32)", "equivalent K+V per head"]
+              "touched by 16 seqs", "KV bytes/token (f16, as run)", "equivalent K+V per head"]
     rows = []
     for model, data in report["models"].items():
         cfg = json.loads((Path(data["path"]) / "config.json").read_text())
-        kv, equivalent = kv_bytes_per_token(cfg)
+        kv, equivalent = kv_bytes_per_token(cfg, elem_bytes=2)  # the runs cache in f16
         for dtype, row in data["dtypes"].items():
             f = row["file"]
             if "experts" not in f:
