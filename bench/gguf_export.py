@@ -176,22 +176,37 @@ def bytes_per_token(path: Path) -> dict[str, int]:
     """Weight bytes one batch-1 decode step reads from GGUF ``path``.
 
     Every tensor is read in full, except the input-embedding table (``token_embd``), of which
-    one row is read; when there is no ``output`` tensor the output projection is the tied
-    ``token_embd`` and is read in full. Returns ``{"bytes_per_token", "weight_bytes"}``.
+    one row is read, and the routed experts of a MoE file (``ffn_*_exps``), of which the
+    ``expert_used_count`` selected of ``expert_count`` are read; when there is no ``output``
+    tensor the output projection is the tied ``token_embd`` and is read in full. Returns
+    ``{"bytes_per_token", "weight_bytes"}`` (plus ``routed_expert_bytes``, ``experts``,
+    ``experts_per_token`` for a MoE file).
     """
     import gguf
 
     reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    experts = reader.fields.get(f"{arch}.expert_count")
+    used = reader.fields.get(f"{arch}.expert_used_count")
     total = 0
+    routed = 0  # bytes of the routed experts' stacks (ffn_*_exps [E, N, K])
     embed = None
     has_output = False
     for t in reader.tensors:
         n = int(t.n_bytes)
         total += n
+        if "_exps." in t.name:
+            routed += n
         if t.name == "token_embd.weight":
             embed = (n, int(t.shape[-1]) if len(t.shape) > 1 else 1)
         has_output |= t.name == "output.weight"
     assert embed is not None, f"{path} has no token_embd.weight"
     embed_bytes, rows = embed
     per_token = total - embed_bytes + embed_bytes // rows + (0 if has_output else embed_bytes)
-    return {"bytes_per_token": per_token, "weight_bytes": total}
+    out = {"bytes_per_token": per_token, "weight_bytes": total}
+    if experts is not None and used is not None:
+        # A token reads only the experts its router selects: k of E of every stack.
+        k, e = int(used.contents()), int(experts.contents())
+        out |= {"bytes_per_token": per_token - routed + routed * k // e, "routed_expert_bytes": routed,
+                "experts": e, "experts_per_token": k}
+    return out

@@ -28,13 +28,16 @@ REPO = BENCH.parent
 OUT = BENCH / "out"
 GENERATED = OUT / "models"
 SPM_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-llama-spm.gguf"
+GPT2_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-gpt-2.gguf"
 #: GGUF weight types the harness benchmarks, lower-case as in zllm configs and ``--outtype``.
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 #: Written last into a generated checkpoint: its content says which layout wrote it, so a
 #: checkpoint from an older harness (another tokenizer) is rebuilt rather than reused.
 _DONE_MARKER = ".bench-complete"
-_LAYOUT = "layout=2 (transformers save_pretrained, llama SPM tokenizer.json)"
+_LAYOUT_VERSION = "layout=2"
+_LAYOUT = f"{_LAYOUT_VERSION} (transformers save_pretrained, llama SPM tokenizer.json)"
+_MOE_LAYOUT = f"{_LAYOUT_VERSION} (transformers save_pretrained, GPT-2 BPE tokenizer.json)"
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,44 @@ def build_spm_tokenizer(directory: Path) -> None:
     }, indent=2) + "\n")
 
 
+def build_gpt2_tokenizer(directory: Path) -> None:
+    """Write GPT-2's byte-level BPE (vocabulary and merges of :data:`GPT2_VOCAB`) as an HF
+    ``tokenizer.json`` + ``tokenizer_config.json``: llama.cpp's converter refuses the Llama
+    SentencePiece tokenizer for ``qwen3moe`` and ``deepseek2`` files, and recognises this one
+    (``tokenizer.ggml.pre = gpt-2``)."""
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    fields = gguf.GGUFReader(str(GPT2_VOCAB)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(directory / "tokenizer.json"))
+    eos = tokens[-1]  # <|endoftext|>
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "unk_token": eos,
+         "add_prefix_space": False}, indent=2) + "\n")
+
+
+def create_random_moe(directory: Path, config: dict[str, Any], seed: int = 0) -> None:
+    """Save a randomly initialised MoE model of ``config["model_type"]`` (f32, safetensors,
+    per-expert tensors as ``save_pretrained`` writes them) plus GPT-2's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / _DONE_MARKER).unlink(missing_ok=True)
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(**config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    build_gpt2_tokenizer(directory)
+    (directory / _DONE_MARKER).write_text(f"{_MOE_LAYOUT}\nseed={seed}\n")
+
+
 def create_random_llama(directory: Path, config: dict[str, Any], seed: int = 0) -> None:
     """Save a randomly initialised ``LlamaForCausalLM`` (f32, safetensors) plus a tokenizer."""
     import torch
@@ -132,8 +173,31 @@ def create_random_llama(directory: Path, config: dict[str, Any], seed: int = 0) 
 
 
 def _generated(name: str, config: dict[str, Any], description: str) -> BenchModel:
+    create = create_random_moe if "model_type" in config else create_random_llama
     return BenchModel(name=name, path=GENERATED / name, description=description,
-                      create=lambda d: create_random_llama(d, config))
+                      create=lambda d: create(d, config))
+
+
+_MOE_COMMON = {"vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 4608, "tie_word_embeddings": False, "hidden_act": "silu"}
+# Qwen3-MoE-shaped (the MoE/MLA issue's section 6): ~1.3B total, ~0.3B active per token.
+QWEN3_MOE_1B_CONFIG = {
+    **_MOE_COMMON, "model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 3072,
+    "moe_intermediate_size": 384, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "rope_theta": 1000000.0,
+}
+# DeepSeek-V2-Lite-shaped MLA + MoE (q_lora_rank null, 27 layers: llama.cpp's deepseek2 loader
+# knows V2-Lite by its 27 layers), narrower: hidden 1024, 32 experts of 256, top-6, 2 shared
+# (~0.9B total, ~0.3B active).
+DEEPSEEK_V2_LITE_CONFIG = {
+    **_MOE_COMMON, "model_type": "deepseek_v2", "hidden_size": 1024, "num_hidden_layers": 27,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None, "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "intermediate_size": 2816,
+    "moe_intermediate_size": 256, "n_routed_experts": 32, "num_experts_per_tok": 6, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1,
+    "topk_group": 1, "rope_theta": 10000.0,
+}
 
 
 _STORIES = REPO / "assets" / "models" / "stories260k"
@@ -154,6 +218,13 @@ MODELS: dict[str, BenchModel] = {
     "llama-0.5b": _generated(
         "llama-0.5b", LLAMA_05B_CONFIG,
         "random ~0.5B Llama (1280 hidden, 24 layers, 20/10 heads, FFN 3328, vocab 32000, untied)"),
+    "qwen3-moe-1b": _generated(
+        "qwen3-moe-1b", QWEN3_MOE_1B_CONFIG,
+        "random Qwen3-MoE (1024 hidden, 16 layers, 16/4 heads, 64 experts of 384, top-8, vocab 50257)"),
+    "deepseek-v2-lite": _generated(
+        "deepseek-v2-lite", DEEPSEEK_V2_LITE_CONFIG,
+        "random DeepSeek-V2-Lite-shaped MLA + MoE (1024 hidden, 27 layers, 8 heads, latent 256 + rope 32, "
+        "32 experts of 256, top-6, 2 shared, vocab 50257)"),
 }
 
 
@@ -162,7 +233,7 @@ def ensure(name: str) -> Path:
     (or was written by an older layout of this harness)."""
     model = MODELS[name]
     marker = model.path / _DONE_MARKER
-    if model.create is not None and not (marker.exists() and marker.read_text().startswith(_LAYOUT)):
+    if model.create is not None and not (marker.exists() and marker.read_text().startswith(_LAYOUT_VERSION + " ")):
         print(f"[bench] creating {name} in {model.path} (once) ...", flush=True)
         model.create(model.path)
     return model.path

@@ -362,13 +362,24 @@ DECODE_TARGETS = {"f32": 0.9, "f16": 1.0, "bf16": 1.0, "q8_0": 0.8}
 SMALL_MODEL_TARGET = ("llama-15m", 0.6)
 
 
+def kv_bytes_per_token(cfg: dict[str, Any], elem_bytes: int = 4) -> tuple[int, int | None]:
+    """``(zllm's KV-cache bytes per token, an equivalent cache's or None)`` from a
+    ``config.json``, ``elem_bytes`` per cached value: K and V per KV head, or for MLA
+    (``kv_lora_rank``) one latent row of ``kv_lora_rank + qk_rope_head_dim`` beside the K
+    (``nope + rope``) and V per head the same attention would cache without the latent."""
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    if cfg.get("kv_lora_rank"):
+        latent = layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elem_bytes
+        per_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]
+        return latent, layers * heads * per_head * elem_bytes
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * layers * cfg.get("num_key_value_heads", heads) * head_dim * elem_bytes, None
+
+
 def kv_cache_bytes(hf_dir: Path, tokens: int, block_size: int = 16) -> int:
     """Bytes of zllm's f32 KV cache for ``tokens`` tokens (whole blocks), from ``config.json``."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    blocks = -(-tokens // block_size)
-    return 2 * cfg["num_hidden_layers"] * blocks * block_size * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    per_token, _ = kv_bytes_per_token(json.loads((hf_dir / "config.json").read_text()))
+    return -(-tokens // block_size) * block_size * per_token
 
 
 def format_targets(report: dict[str, Any]) -> str:
@@ -403,6 +414,33 @@ def format_targets(report: dict[str, Any]) -> str:
                          mark(to_hf.get("load_s"), 1.0, higher=False),
                          mark(rss / budget if rss is not None else None, 1.0, higher=False, fmt="{:.2f}")])
     return _md(header, rows, right_from=2)
+
+
+def experts_touched(experts: int, per_token: int, sequences: int) -> float:
+    """Expected fraction of the routed experts a decode step of ``sequences`` tokens reads when
+    routing is uniform and independent (random routers): ``1 - (1 - k/E)^n``."""
+    return 1 - (1 - per_token / experts) ** sequences
+
+
+def format_moe(report: dict[str, Any]) -> str:
+    """Per MoE/MLA model: total vs active weight bytes (what the ``% BW limit`` of its rows
+    counts), the experts a batch of 16 touches, and the KV-cache bytes per token beside an
+    equivalent cache of K and V per head."""
+    header = ["model", "dtype", "weights MiB", "active MiB/token", "experts (top-k of E)",
+              "touched by 16 seqs", "KV bytes/token (f16, as run)", "equivalent K+V per head"]
+    rows = []
+    for model, data in report["models"].items():
+        cfg = json.loads((Path(data["path"]) / "config.json").read_text())
+        kv, equivalent = kv_bytes_per_token(cfg, elem_bytes=2)  # the runs cache in f16
+        for dtype, row in data["dtypes"].items():
+            f = row["file"]
+            if "experts" not in f:
+                continue
+            rows.append([model, dtype, f"{f['weight_bytes'] / 2**20:.0f}", f"{f['bytes_per_token'] / 2**20:.0f}",
+                         f"{f['experts_per_token']} of {f['experts']}",
+                         f"{100 * experts_touched(f['experts'], f['experts_per_token'], 16):.0f}%",
+                         f"{kv:,}", "-" if equivalent is None else f"{equivalent:,} ({equivalent / kv:.1f}x)"])
+    return _md(header, rows, right_from=2) if rows else ""
 
 
 # ---------------------------------------------------------------------------- the parts of a run
@@ -675,6 +713,11 @@ def render(report: dict[str, Any], args) -> str:
                      "`% BW limit`: decode tok/s x weight bytes read per token / memory bandwidth. "
                      "`= ref`: leading tokens equal to transformers' output in the same dtype.")
         parts.append("## Targets\n\n" + format_targets(report))
+        moe = format_moe(report)
+        if moe:
+            parts.append("## MoE and MLA models\n\n" + moe + "\n\nA batch-1 decode step reads only the "
+                         "selected experts: `active MiB/token` counts k/E of every expert stack, and the "
+                         "rows' `% BW limit` uses it.")
     if "batch" in report:
         b = report["batch"]
         parts.append(f"## Batched throughput ({b['model']} {b['dtype']}, median of {b['repeats']})\n\n"

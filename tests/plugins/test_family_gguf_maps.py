@@ -70,7 +70,7 @@ def test_a_gguf_architecture_a_third_party_family_maps_opens_through_its_map(plu
     assert sorted(ckpt.tensor_names()) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                                            "model.norm.weight"]
     assert resolve_family(host, ckpt).name == "tiny"
-    assert sorted(host.gguf_maps) == ["llama", "qwen2", "qwen3", "tiny-gguf"]
+    assert sorted(host.gguf_maps) == ["llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "tiny-gguf"]
 
 
 def test_without_the_family_the_architecture_is_unknown_and_the_mapped_ones_are_listed(tmp_path):
@@ -79,7 +79,7 @@ def test_without_the_family_the_architecture_is_unknown_and_the_mapped_ones_are_
     ckpt = open_checkpoint(_tiny_gguf(tmp_path / "tiny.gguf"), gguf_maps=host.gguf_maps)
 
     with pytest.raises(UnknownArchitectureError, match="no GGUF map for architecture 'tiny-gguf'; mapped "
-                                                       "architectures: llama, qwen2, qwen3"):
+                                                       "architectures: llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         _ = ckpt.config
 
 

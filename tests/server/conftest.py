@@ -44,7 +44,7 @@ class Server:
     """A running ``zllm serve``: ``url``, ``model`` (the served name), ``config`` (its config
     file, for an in-process Engine of the same model), ``metrics()``."""
 
-    def __init__(self, config: Path, model: str, log: Path):
+    def __init__(self, config: Path, model: str, log: Path, plugins: str = "cpu,llama"):
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -54,7 +54,7 @@ class Server:
         self.proc = subprocess.Popen(
             [*ZLLM, "serve", "--config", str(config), "--port", str(self.port),
              "--log-level", "warning"],
-            stdout=self._log_file, stderr=subprocess.STDOUT, env={**os.environ, "ZLLM_PLUGINS": "cpu,llama"},
+            stdout=self._log_file, stderr=subprocess.STDOUT, env={**os.environ, "ZLLM_PLUGINS": plugins},
         )
         self._wait_healthy()
 
@@ -98,14 +98,14 @@ class Server:
         self._log_file.close()
 
 
-def start_server(tmp_path: Path, model_dir: Path, **sections) -> Server:
+def start_server(tmp_path: Path, model_dir: Path, plugins: str = "cpu,llama", **sections) -> Server:
     # Batch-invariant mode: a request's tokens never depend on its batch-mates, so the
     # concurrency tests can demand exact equality with the request run alone (max_num_seqs
     # 16 so all sixteen streams share one batch).
     sections.setdefault("runtime", {"batch_invariant": True, "max_num_seqs": 16})
     config = write_config(tmp_path, model_dir, **sections)
     name = (sections.get("server") or {}).get("served_model_name") or model_dir.name
-    return Server(config, name, tmp_path / "server.log")
+    return Server(config, name, tmp_path / "server.log", plugins)
 
 
 def chat_model_dir(dst: Path, template: str = CHAT_TEMPLATE) -> Path:

@@ -24,6 +24,7 @@ from zllm.domain.moe import (
     select_experts,
 )
 from zllm.domain.ops import CORE_CAPABILITIES
+from zllm.domain.quant import dequantize
 from zllm.domain.rope import (
     ROPE_TYPES,
     RopeParams,
@@ -71,6 +72,7 @@ __all__ = [
     "SharedExperts",
     "TensorSpec",
     "default_inv_freq",
+    "dequantize",
     "format_of",
     "hookimpl",
     "is_moe_layer",

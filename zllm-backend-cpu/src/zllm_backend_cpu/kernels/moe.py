@@ -13,9 +13,10 @@ token, ``N`` expert width, ``n_e`` rows routed to expert ``e``, ``RT`` rows of a
    through the backend's own ``linear`` and ``silu_mul`` kernels in the weights' stored
    format: ``gate_exps[e]`` of a quantized stack is that expert's blocks, decoded inside the
    ``linear`` kernel a row tile at a time; a stack is never dequantized whole.
-4. Weighted sum: ``out[rows] += w * y`` expert by expert in ascending index, the order of the
-   reference, then the shared experts are added (``sigmoid(x gate^T) *`` the shared FFN for
-   Qwen2-MoE).
+4. Weighted sum: each pair's ``w * y`` is written in bucket order, then each token sums its
+   ``k`` rows in ascending expert index, the order of the reference (one gather and ``k`` adds
+   over ``[T, K]``, not a scatter per expert), then the shared experts are added
+   (``sigmoid(x gate^T) *`` the shared FFN for Qwen2-MoE).
 
 Four kernels differ only in the ``linear`` / ``silu_mul`` kernels they run (registered in
 :mod:`zllm_backend_cpu.kernels`): :func:`moe` (torch), ``moe_gemv`` of :mod:`.moe_gemv`
@@ -120,20 +121,30 @@ def _moe(
     order = torch.argsort(ids.flatten(), stable=True)  # (token, slot) pairs bucketed by expert
     counts = torch.bincount(ids.flatten(), minlength=n_experts).tolist()  # [E]
     flat_weights = weights.flatten()
-    out = torch.zeros(t, hidden)  # [T, K]
+    weighted = torch.empty(t * top_k, hidden)  # [T * k, K]: w * y of every pair, in bucket order
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         pairs = order[start : start + count]  # [n_e], ascending token within the bucket
-        start += count
         rows = pairs // top_k
         xs = x[rows]  # [n_e, K], gathered contiguous
         h = silu_mul(
             linear(xs, gate_exps[expert], None), linear(xs, up_exps[expert], None)
         )  # [n_e, N]
         y = linear(h, down_exps[expert], None)  # [n_e, K]
-        out.index_add_(0, rows, y.mul_(flat_weights[pairs, None]))
+        torch.mul(y, flat_weights[pairs, None], out=weighted[start : start + count])
+        start += count
+    # Each token's rows of `weighted`, in ascending expert index (the buckets' order; a token
+    # selects an expert at most once), then summed slot by slot: the reference's order, with
+    # k adds over [T, K] instead of one scatter per expert (a decode step's scatters cost more
+    # than its sums).
+    position = torch.empty_like(order)
+    position[order] = torch.arange(t * top_k)
+    mine = weighted[position.view(t, top_k).sort(dim=1).values]  # [T, k, K]
+    out = mine[:, 0].clone()  # [T, K]
+    for slot in range(1, top_k):
+        out += mine[:, slot]
     if shared is not None:
         y = linear(
             silu_mul(linear(x, shared.gate_proj, None), linear(x, shared.up_proj, None)),

@@ -62,6 +62,12 @@ class Checkpoint(abc.ABC):
     def tensor_names(self) -> list[str]:
         """Canonical (HF) names of every tensor in the checkpoint, in file order."""
 
+    @property
+    def skipped_tensors(self) -> dict[str, str]:
+        """Tensors the files hold that are no weights, left out of :meth:`tensor_names`:
+        name -> why (for ``--explain``). Empty unless a format says otherwise."""
+        return {}
+
     @abc.abstractmethod
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Logical shape of tensor ``name`` (a block-quantized tensor's dequantized

@@ -273,11 +273,14 @@ class GGUFCheckpoint(Checkpoint):
         data = torch.from_numpy(t.data)  # shares the copy-on-write mapping
         weight: torch.Tensor | QuantizedTensor
         if fmt in BLOCK_LAYOUTS:
-            if len(shape) != 2:
+            if len(shape) < 2:
                 raise TensorError(
-                    str(self.path), name, f"{fmt} tensor of shape {list(shape)}; zllm keeps 2-D quantized weights only"
-                )
-            weight = QuantizedTensor(data, fmt, shape)  # data: uint8 [rows, bytes per row]
+                    str(self.path), name, f"{fmt} tensor of shape {list(shape)}; quantized weights have rows "
+                    "(2-D, or N-D with leading dimensions such as experts)",
+                )  # fmt: skip
+            # data: uint8 [*lead, rows, bytes per row]; an expert stack [E, N, K] is one view of
+            # the file, each expert's rows contiguous (ggml's ne2 is the outermost dimension).
+            weight = QuantizedTensor(data, fmt, shape)
         else:
             if fmt == "bf16":
                 data = data.view(torch.bfloat16)  # the reader gives BF16 as uint8 [..., 2 * cols]

@@ -8,11 +8,17 @@ truncated and corrupt files before any tensor is used; tensor data then comes fr
 ``safetensors.safe_open(framework="pt")``, which (safetensors >= 0.4) maps the whole file
 copy-on-write with ``torch.UntypedStorage.from_file(shared=False)`` and returns views of
 that mapping — no second copy in RAM (``tests/weights`` checks the data pointers).
+
+What transformers never loads is not presented as a tensor (:attr:`HFCheckpoint.skipped_tensors`
+says what and why): ``*.rotary_emb.inv_freq`` buffers that older transformers versions saved,
+and in a sharded checkpoint a tensor a shard holds that ``model.safetensors.index.json`` does
+not map to that shard (the index decides, as in ``from_pretrained``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +116,12 @@ def read_safetensors_header(file: Path) -> dict[str, _Entry]:
     return entries
 
 
+#: Buffers older transformers versions saved with the weights (persistent then, recomputed
+#: from the config at load by transformers and by zllm): skipped, with a line in ``--explain``.
+NON_WEIGHT_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+NON_WEIGHT_BUFFER_REASON = "RoPE inverse frequencies saved by older transformers; recomputed from the config"
+
+
 def _read_json(file: Path) -> dict[str, Any]:
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
@@ -139,6 +151,7 @@ class HFCheckpoint(Checkpoint):
         self._generation_config = _read_json(gen_file) if gen_file.is_file() else None
 
         self._index: Path | None = None
+        self._skipped: dict[str, str] = {}
         if (path / SINGLE_FILE).is_file():
             shards = [path / SINGLE_FILE]
             self._entries = read_safetensors_header(shards[0])
@@ -153,6 +166,10 @@ class HFCheckpoint(Checkpoint):
             )
             raise CheckpointError(str(path), f"no weights: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
         self._shards = shards
+        self._skipped.update({name: NON_WEIGHT_BUFFER_REASON for name in self._entries
+                              if NON_WEIGHT_BUFFER.search(name)})
+        for name in self._skipped:
+            self._entries.pop(name, None)
         # One copy-on-write mapping per shard, opened now so safetensors' own validation runs
         # at open time too.
         self._handles: dict[Path, Any] = {}
@@ -179,10 +196,15 @@ class HFCheckpoint(Checkpoint):
             if name not in headers[shard]:
                 raise TensorError(str(shard), name, f"listed in {index.name} but absent from the shard")
             entries[name] = headers[shard][name]
+        # The index decides, as in transformers: a tensor a shard holds beside what the index
+        # maps to it is never read.
         for shard, header in headers.items():
-            unlisted = [n for n in header if n not in entries or entries[n].file != shard]
-            if unlisted:
-                raise TensorError(str(shard), unlisted[0], f"in the shard but not mapped to it by {index.name}")
+            for n in header:
+                if n not in entries:
+                    self._skipped[n] = f"in {shard.name} but not in {index.name}"
+                elif entries[n].file != shard:
+                    self._skipped.setdefault(
+                        f"{n} ({shard.name})", f"{index.name} maps it to {entries[n].file.name}")
         return shards, entries
 
     @property
@@ -225,6 +247,10 @@ class HFCheckpoint(Checkpoint):
 
     def tensor_names(self) -> list[str]:
         return list(self._entries)
+
+    @property
+    def skipped_tensors(self) -> dict[str, str]:
+        return dict(self._skipped)
 
     def file_of(self, name: str) -> Path:
         return self._entry(name).file

@@ -8,10 +8,6 @@ from zllm.plugin_api import Capability, TensorSpec
 from zllm_model_deepseek.model import DeepseekModel
 from zllm_model_deepseek.spec import DeepseekSpec, spec_from_config
 
-#: The dense formats a split ``k_b_proj``/``v_b_proj`` may have: they are re-joined into
-#: ``kv_b_proj`` at load, which a block-quantized ``k_b_proj`` (rows of ``Dn``, transposed)
-#: cannot be without decoding it.
-SPLIT_KV_B_FORMATS = ("f32", "f16", "bf16")
 #: MTP tensors besides a decoder layer's (DeepSeek-V3 ``model.layers.{L}.*``).
 MTP_EXTRA = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
 
@@ -45,8 +41,9 @@ def _attention_specs(spec: DeepseekSpec, optional: bool) -> dict[str, TensorSpec
             specs["self_attn.q_a_proj.bias"] = (m.q_lora_rank,)
     out = {name: TensorSpec(shape, optional=optional) for name, shape in specs.items()}
     if spec.kv_b_split:
-        out["self_attn.k_b_proj.weight"] = TensorSpec((h, r, dn), SPLIT_KV_B_FORMATS, optional)
-        out["self_attn.v_b_proj.weight"] = TensorSpec((h, dv, r), SPLIT_KV_B_FORMATS, optional)
+        # Any format: re-joined into kv_b_proj at load (model._kv_b), decoded if quantized.
+        out["self_attn.k_b_proj.weight"] = TensorSpec((h, r, dn), optional=optional)
+        out["self_attn.v_b_proj.weight"] = TensorSpec((h, dv, r), optional=optional)
     else:
         out["self_attn.kv_b_proj.weight"] = TensorSpec((h * (dn + dv), r), optional=optional)
     return out

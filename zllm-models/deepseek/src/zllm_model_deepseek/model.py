@@ -22,8 +22,10 @@ from zllm.plugin_api import (
     KVCacheSpec,
     KVLayerSpec,
     KVTensor,
+    QuantizedTensor,
     RopeTable,
     SharedExperts,
+    dequantize,
     rope_inv_freq,
 )
 from zllm_model_deepseek.mtp import DeepseekMtp, mtp_weights
@@ -68,10 +70,16 @@ class DeepseekLayer:
 
 def _kv_b(w: dict[str, Any], p: str, spec: DeepseekSpec) -> Any:
     """``kv_b_proj [H * (Dn + Dv), R]``; a GGUF file's split ``k_b_proj [H, R, Dn]`` (transposed,
-    llama.cpp's converter) and ``v_b_proj [H, Dv, R]`` are joined back per head, once."""
+    llama.cpp's converter) and ``v_b_proj [H, Dv, R]`` are joined back per head, once.
+
+    The converter quantizes ``v_b_proj`` (rows of ``R``) but not ``k_b_proj`` (rows of ``Dn``,
+    rarely whole blocks), so a quantized half is decoded and the join is f32: ``mla_attention``
+    reads ``kv_b_proj`` whole in f32 anyway (its ``W_UK`` / ``W_UV``), so nothing is lost."""
     if not spec.kv_b_split:
         return w[p + "self_attn.kv_b_proj.weight"]
     k_b, v_b = w[p + "self_attn.k_b_proj.weight"], w[p + "self_attn.v_b_proj.weight"]
+    if isinstance(k_b, QuantizedTensor) or isinstance(v_b, QuantizedTensor):
+        k_b, v_b = (dequantize(t) if isinstance(t, QuantizedTensor) else t.float() for t in (k_b, v_b))
     joined = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [H, Dn + Dv, R]
     return joined.reshape(-1, spec.mla.kv_lora_rank).contiguous()
 

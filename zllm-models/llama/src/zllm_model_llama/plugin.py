@@ -2,8 +2,9 @@
 
 One distribution, one layer code, several HF ``model_type`` values: each published
 :class:`FamilyInfo` names a small family class in :mod:`zllm_model_llama.family` and
-hands the core the GGUF architectures it reads (:mod:`zllm_model_llama.gguf`; Mistral GGUF
-files are written as ``llama``).
+hands the core the GGUF architectures it reads (:mod:`zllm_model_llama.gguf`; Mistral and
+Mixtral GGUF files are written as ``llama``, which the ``llama`` map reads as ``mixtral`` when
+the file has experts).
 """
 
 from zllm.plugin_api import FamilyInfo, hookimpl
@@ -52,12 +53,14 @@ def zllm_model_families() -> list[FamilyInfo]:
             name="qwen2_moe",
             model_types=("qwen2_moe",),
             factory="zllm_model_llama.family:Qwen2MoeFamily",
+            gguf_architectures={"qwen2moe": GGUF_ARCHITECTURES["qwen2moe"]},
             description="Qwen2-MoE: Qwen2 layers with a MoE FFN and a sigmoid-gated shared expert",
         ),
         FamilyInfo(
             name="qwen3_moe",
             model_types=("qwen3_moe",),
             factory="zllm_model_llama.family:Qwen3MoeFamily",
+            gguf_architectures={"qwen3moe": GGUF_ARCHITECTURES["qwen3moe"]},
             description="Qwen3-MoE: Qwen3 layers (q/k RMSNorm) with a MoE FFN",
         ),
     ]
