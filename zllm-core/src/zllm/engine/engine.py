@@ -18,8 +18,9 @@ from typing import Any, cast
 
 import attrs
 
-from zllm.domain.family import model_kv_spec
+from zllm.domain.family import Model, model_kv_spec
 from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoning
+from zllm.engine.draft import load_draft
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
 from zllm.engine.loop import EngineLoop, RequestHandle
 from zllm.engine.structured import StructuredOutput
@@ -30,7 +31,7 @@ from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
 from zllm.runtime.sequence import Sequence, TokenConstraint
 from zllm.runtime.speculative import NgramProposer, Proposer
-from zllm.spec.config import SpeculativeConfig, ZllmConfig, config_from_dict, load_config
+from zllm.spec.config import ZllmConfig, config_from_dict, load_config
 from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
 from zllm.spec.request import (
     FinishReason,
@@ -50,10 +51,18 @@ def plugin_allowlist_from_env(environ: dict[str, str] | None = None) -> list[str
     return [v for v in value.split(",") if v.strip()] or None
 
 
-def make_proposer(cfg: SpeculativeConfig) -> Proposer | None:
-    """The proposer ``speculative.method`` names, or None when speculation is off."""
+def make_proposer(loaded: LoadedModel, host: PluginHost) -> Proposer | None:
+    """The proposer ``speculative.method`` names, or None when speculation is off.
+
+    Raises:
+        ZllmError subclasses: a draft model that cannot serve the target
+            (:func:`zllm.engine.draft.load_draft`).
+    """
+    cfg = loaded.config.speculative
     if cfg.method is None:
         return None
+    if cfg.method == "draft":
+        return load_draft(loaded, host, min(cast(Model, loaded.model).vocab_size, loaded.tokenizer.vocab_size))
     assert cfg.method == "ngram", cfg.method  # the config contract admits only implemented methods
     return NgramProposer(cfg.ngram.min_n, cfg.ngram.max_n)
 
@@ -84,7 +93,7 @@ class Engine:
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
             device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
-            batch_invariant=cfg.runtime.batch_invariant, proposer=make_proposer(cfg.speculative),
+            batch_invariant=cfg.runtime.batch_invariant, proposer=make_proposer(loaded, host),
             num_speculative_tokens=cfg.speculative.num_tokens, adaptive_lookahead=cfg.speculative.adaptive,
         )
         self.loop = EngineLoop(self.llm)
