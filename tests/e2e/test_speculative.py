@@ -70,6 +70,24 @@ def greedy_runs(plain):
     return {p: plain.generate({"prompt": p, "max_tokens": 96, "ignore_eos": True})["token_ids"] for p in PROMPTS}
 
 
+class TargetGreedyProposer:
+    """Proposes the target model's own greedy continuation of each sequence (from another
+    engine on the same checkpoint): likely tokens, so sampled requests accept many."""
+
+    name = "target-greedy"
+
+    def __init__(self, target):
+        self.target = target
+
+    def propose(self, seqs, ks):
+        return [Proposal(self.target.generate({"prompt_token_ids": s.all_ids, "max_tokens": k,
+                                               "ignore_eos": True})["token_ids"] if k else [])
+                for s, k in zip(seqs, ks, strict=True)]
+
+    def release(self, seq):
+        pass
+
+
 def _use_replay(engine, greedy_runs, error_rate: float, seed: int = 0) -> None:
     continuations = {tuple(engine.prompt_ids(engine.parse({"prompt": p}))): ids for p, ids in greedy_runs.items()}
     proposer = ReplayProposer(continuations, error_rate, engine.tokenizer.vocab_size, seed)
@@ -234,3 +252,41 @@ def test_adaptive_lookahead_stops_proposing_for_a_proposer_that_is_always_wrong(
         assert out["token_ids"] == greedy_runs[STORY]
         stats = e.llm.spec_stats
         assert sum(stats.accepted) <= 2 and stats.steps < 40  # probes only, once the rate has fallen
+
+
+def _homogeneity_chi_square(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the tokens seen (those expected < 5 times per
+    sample pooled into one bin) and its degrees of freedom."""
+    tokens = sorted(set(a) | set(b))
+    ca = torch.tensor([a.count(t) for t in tokens], dtype=torch.float64)
+    cb = torch.tensor([b.count(t) for t in tokens], dtype=torch.float64)
+    rare = (ca + cb) / 2 < 5
+    if rare.any():
+        ca = torch.cat([ca[~rare], ca[rare].sum()[None]])
+        cb = torch.cat([cb[~rare], cb[rare].sum()[None]])
+    total = ca + cb
+    ea, eb = total * ca.sum() / total.sum(), total * cb.sum() / total.sum()
+    return float(((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum()), len(total) - 1
+
+
+def _chi_square_critical(df: int, z: float = 3.719) -> float:
+    """Chi-square's inverse CDF at 1 - 1e-4 (z = 3.719), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.mark.slow
+def test_sampled_tokens_with_speculation_are_distributed_as_without(tmp_path, plain, greedy_runs):
+    """Over 1,500 seeds, the second and third sampled tokens (one verify step: the proposal's
+    position and the bonus or correction after it) are distributed with speculation as
+    without (two-sample chi-square, 1e-4 each)."""
+    req = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 1.0, "top_k": 6, "ignore_eos": True}
+    without = [plain.generate({**req, "seed": s})["token_ids"] for s in range(1500)]
+    with zllm.Engine.from_config(_config(tmp_path, k=2)) as e:
+        # Guesses the target likes (its greedy continuation of the actual prefix): many accepts and rejects.
+        e.loop.call(lambda llm: setattr(llm, "proposer", TargetGreedyProposer(plain)))
+        speculated = [e.generate({**req, "seed": s})["token_ids"] for s in range(1500)]
+        stats = e.llm.spec_stats
+        assert 0 < sum(stats.accepted) < sum(stats.proposed)
+    for position in (1, 2):
+        statistic, df = _homogeneity_chi_square([t[position] for t in without], [t[position] for t in speculated])
+        assert statistic < _chi_square_critical(df), (position, statistic, df)

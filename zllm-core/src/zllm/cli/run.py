@@ -91,9 +91,14 @@ def _generate(engine, request: dict) -> str:
     ttft_ms = ((first or end) - t0) * 1000
     decode_s = end - (first or end)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+    spec = engine.config.speculative
+    accepted = engine.loop.call(lambda llm: llm.spec_stats.acceptance_rate) if spec.method else None
+    speculation = "" if not spec.method else (
+        f", speculation: {spec.method} K={spec.num_tokens} "
+        + ("no proposal" if accepted is None else f"{accepted:.0%} of proposals accepted"))
     print(
         f"prompt tokens: {usage['prompt_tokens']}, cached tokens: {usage['cached_tokens']}, generated tokens: {n}, "
-        f"TTFT: {ttft_ms:.1f} ms, decode: {rate:.1f} tokens/s, finish: {final['finish_reason']}",
+        f"TTFT: {ttft_ms:.1f} ms, decode: {rate:.1f} tokens/s, finish: {final['finish_reason']}{speculation}",
         file=sys.stderr,
     )
     return "".join(pieces)
@@ -147,3 +152,8 @@ def _explain(engine) -> None:
     print(f"backend: {loaded.backend_choice.info.name} — {loaded.backend_choice.reason}", file=out)
     for line in loaded.ops.explain():
         print(f"  {line.capability:<18} -> {line.kernel}  ({line.reason})", file=out)
+    spec = engine.config.speculative
+    if spec.method:
+        adapt = "adapted per sequence to its acceptance" if spec.adaptive else "fixed"
+        print(f"speculative decoding: {spec.method}, up to {spec.num_tokens} proposed tokens per step ({adapt})",
+              file=out)

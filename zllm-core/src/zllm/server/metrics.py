@@ -18,15 +18,22 @@ zllm_kv_blocks_running                 gauge      blocks held by running sequenc
 zllm_requests_expired_total{phase}     counter    requests the scheduler dropped at their
                                                   deadline, ``phase`` ``waiting`` (never
                                                   prefilled) or ``running`` (KV freed)
+zllm_spec_proposed_tokens_total        counter    speculative proposals verified, by draft
+  {position}                                      position (0 = the first proposed token);
+                                                  only with ``speculative.method`` set
+zllm_spec_accepted_tokens_total        counter    those the model accepted
+  {position}
+zllm_spec_acceptance_rate              gauge      accepted / proposed over all positions
 =====================================  =========  ==========================================
 
-Gauges and the expiry counter are read from the scheduler at scrape time.
+Gauges, the expiry counter and the speculation metrics are read from the engine at scrape
+time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -57,6 +64,8 @@ class ServerMetrics:
         Gauge("zllm_kv_blocks_running", "KV cache blocks held by running sequences",
               registry=r).set_function(lambda: sum(len(s.kv.blocks) for s in list(scheduler.running)))
         r.register(_ExpiredRequests(scheduler))
+        if engine.llm.proposer is not None:
+            r.register(_Speculation(engine.llm.spec_stats))
 
 
 class _ExpiredRequests(Collector):
@@ -71,3 +80,25 @@ class _ExpiredRequests(Collector):
         family.add_metric(["waiting"], self._stats.expired_waiting)
         family.add_metric(["running"], self._stats.expired_running)
         yield family
+
+
+class _Speculation(Collector):
+    """Speculative decoding's counters per draft position and its acceptance rate."""
+
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def collect(self):
+        proposed = CounterMetricFamily("zllm_spec_proposed_tokens", "Speculative proposals verified",
+                                       labels=["position"])
+        accepted = CounterMetricFamily("zllm_spec_accepted_tokens", "Speculative proposals accepted",
+                                       labels=["position"])
+        # The engine loop may be adding a position while this reads: the shorter copy wins.
+        for j, (p, a) in enumerate(zip(list(self._stats.proposed), list(self._stats.accepted), strict=False)):
+            proposed.add_metric([str(j)], p)
+            accepted.add_metric([str(j)], a)
+        rate = self._stats.acceptance_rate
+        yield proposed
+        yield accepted
+        yield GaugeMetricFamily("zllm_spec_acceptance_rate", "Accepted / proposed speculative tokens",
+                                value=0.0 if rate is None else rate)
