@@ -91,6 +91,46 @@ def test_an_unrelated_random_draft_is_rejected_almost_always_and_keeps_the_outpu
         assert _all_draft_blocks_free(e)
 
 
+class RecordingProposer:
+    """Passes every call to a draft proposer and keeps, for each sequence, the tokens it saw
+    and the tokens proposed after them."""
+
+    name = "draft"
+
+    def __init__(self, inner: DraftProposer):
+        self.inner = inner
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, seqs, ks):
+        proposals = self.inner.propose(seqs, ks)
+        self.calls += [(s.all_ids, p.tokens) for s, p in zip(seqs, proposals, strict=True) if p.tokens]
+        return proposals
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+
+def test_after_rejections_and_in_batches_the_draft_proposes_what_it_would_from_scratch(random_draft):
+    """The draft's lazily synchronised cache holds exactly each sequence's tokens: every
+    proposal equals the draft model's own greedy continuation of those tokens, computed alone."""
+    with zllm.Engine.from_config(_config(random_draft, k=4)) as e:
+        recorder = RecordingProposer(e.llm.proposer)
+        e.loop.call(lambda llm: setattr(llm, "proposer", recorder))
+        threads = [threading.Thread(target=e.generate, args=(_greedy(p, 40),)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert e.llm.scheduler.stats.max_decodes_per_step > 1
+        stats = e.llm.spec_stats
+        assert sum(stats.accepted) < sum(stats.proposed)  # rejections happened
+    with zllm.Engine.from_config({**_config(), "model": {"path": str(random_draft)}}) as draft:
+        for ids, proposed in recorder.calls:
+            alone = draft.generate({"prompt_token_ids": ids, "max_tokens": len(proposed), "ignore_eos": True})
+            assert alone["token_ids"] == proposed
+    assert len(recorder.calls) > 4 * 20
+
+
 def test_adaptive_lookahead_stops_drafting_with_a_draft_that_is_always_wrong(greedy_runs, random_draft):
     with zllm.Engine.from_config(_config(random_draft, k=4, adaptive=True)) as e:
         assert e.generate(_greedy(PROMPTS[0], 96))["token_ids"][:64] == greedy_runs[PROMPTS[0]]
