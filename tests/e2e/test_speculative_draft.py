@@ -16,7 +16,10 @@ import torch
 
 import zllm
 from tests.conftest import MODEL_DIR, copy_tokenizer
+from tests.e2e.test_speculative import _chi_square_critical as chi_square_critical
+from tests.e2e.test_speculative import _homogeneity_chi_square as homogeneity_chi_square
 from zllm.runtime.draft import DraftProposer, common_prefix
+from zllm.runtime.speculative import Proposal
 from zllm.spec.errors import ConfigError
 
 TARGET = MODEL_DIR / "hf"
@@ -36,6 +39,22 @@ def _random_llama(path, seed: int, vocab_size: int = 576, context: int = 512):
     model.save_pretrained(path, safe_serialization=True)
     copy_tokenizer(path)
     return model
+
+
+@pytest.fixture(scope="module")
+def hot_draft(tmp_path_factory):
+    """stories260K with its output head halved: its logits are the target's over 2, so at any
+    sampling settings it proposes from a flatter distribution over the same ranking
+    (accepts and rejections both happen, and ``q`` differs from ``p``)."""
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("hot_draft") / "llama"
+    model = LlamaForCausalLM.from_pretrained(TARGET).eval()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone() * 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    copy_tokenizer(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +118,11 @@ class RecordingProposer:
 
     def __init__(self, inner: DraftProposer):
         self.inner = inner
-        self.calls: list[tuple[list[int], list[int]]] = []
+        self.calls: list[tuple[list[int], Proposal]] = []
 
     def propose(self, seqs, ks):
         proposals = self.inner.propose(seqs, ks)
-        self.calls += [(s.all_ids, p.tokens) for s, p in zip(seqs, proposals, strict=True) if p.tokens]
+        self.calls += [(s.all_ids, p) for s, p in zip(seqs, proposals, strict=True) if p.tokens]
         return proposals
 
     def release(self, seq):
@@ -126,9 +145,31 @@ def test_after_rejections_and_in_batches_the_draft_proposes_what_it_would_from_s
         assert sum(stats.accepted) < sum(stats.proposed)  # rejections happened
     with zllm.Engine.from_config({**_config(), "model": {"path": str(random_draft)}}) as draft:
         for ids, proposed in recorder.calls:
-            alone = draft.generate({"prompt_token_ids": ids, "max_tokens": len(proposed), "ignore_eos": True})
-            assert alone["token_ids"] == proposed
+            alone = draft.generate({"prompt_token_ids": ids, "max_tokens": len(proposed.tokens), "ignore_eos": True})
+            assert alone["token_ids"] == proposed.tokens and proposed.q is None
     assert len(recorder.calls) > 4 * 20
+
+
+def test_a_sampled_proposal_carries_the_draft_distribution_it_was_drawn_from(hot_draft):
+    """``q`` of each sampled proposal is the draft's softmax over its top-k logits at the
+    request's temperature, after the sequence's tokens and the proposals before it."""
+    temperature, top_k = 0.7, 20
+    with zllm.Engine.from_config(_config(hot_draft, k=3)) as e:
+        recorder = RecordingProposer(e.llm.proposer)
+        e.loop.call(lambda llm: setattr(llm, "proposer", recorder))
+        for seed in range(3):
+            e.generate({"prompt": PROMPTS[seed], "max_tokens": 12, "temperature": temperature, "top_k": top_k,
+                        "seed": seed, "ignore_eos": True})
+    assert len(recorder.calls) >= 6
+    with zllm.Engine.from_config({**_config(), "model": {"path": str(hot_draft)}}) as draft:
+        for ids, proposed in recorder.calls:
+            assert proposed.q is not None and proposed.q.shape == (len(proposed.tokens), 512)
+            for j, token in enumerate(proposed.tokens):
+                logits = draft.prompt_logits(ids + proposed.tokens[:j])[-1, :512] / temperature
+                kept = logits >= logits.topk(top_k).values[-1]
+                expected = torch.where(kept, logits, -torch.inf).softmax(-1)
+                torch.testing.assert_close(proposed.q[j], expected, atol=1e-5, rtol=1e-4)
+                assert kept[token]
 
 
 def test_adaptive_lookahead_stops_drafting_with_a_draft_that_is_always_wrong(greedy_runs, random_draft):
@@ -164,6 +205,24 @@ def test_a_seeded_sampled_request_with_a_draft_is_reproducible(random_draft):
             assert sum(e.llm.spec_stats.proposed) > 0
         with zllm.Engine.from_config(_config(draft_path, k=4)) as fresh:
             assert fresh.generate(req)["token_ids"] == first
+
+
+@pytest.mark.slow
+def test_sampled_tokens_with_a_draft_are_distributed_as_without(hot_draft):
+    """Over 1,500 seeds, the second and third sampled tokens (one verify step of a proposal
+    drawn from the draft's flatter distribution: accepted with probability min(1, p/q), else
+    redrawn from the residual) are distributed as without speculation (two-sample
+    chi-square, 1e-4 each)."""
+    req = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 1.0, "top_k": 6, "ignore_eos": True}
+    with zllm.Engine.from_config(_config()) as plain:
+        without = [plain.generate({**req, "seed": s})["token_ids"] for s in range(1500)]
+    with zllm.Engine.from_config(_config(hot_draft, k=2)) as e:
+        speculated = [e.generate({**req, "seed": s})["token_ids"] for s in range(1500)]
+        rate = e.llm.spec_stats.acceptance_rate
+        assert rate is not None and 0.5 < rate < 0.95
+    for position in (1, 2):
+        statistic, df = homogeneity_chi_square([t[position] for t in without], [t[position] for t in speculated])
+        assert statistic < chi_square_critical(df), (position, statistic, df)
 
 
 @pytest.mark.parametrize("draft", ["target", "random"])
