@@ -16,7 +16,7 @@ GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backe
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-serve compat clean
+.PHONY: run test bench bench-serve bench-speculative compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ test: $(VENV)/.installed-test
 BENCH_ARGS ?=
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+BENCH_SPECULATIVE_ARGS ?=
+bench-speculative: $(VENV)/.installed-test
+	$(BIN)/python bench/speculative.py $(BENCH_SPECULATIVE_ARGS)
 
 BENCH_SERVE_ARGS ?=
 bench-serve: $(VENV)/.installed-test

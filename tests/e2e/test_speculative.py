@@ -10,6 +10,7 @@ errors injected at a set rate, so every K and every accept length is exercised.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -290,3 +291,57 @@ def test_sampled_tokens_with_speculation_are_distributed_as_without(tmp_path, pl
     for position in (1, 2):
         statistic, df = _homogeneity_chi_square([t[position] for t in without], [t[position] for t in speculated])
         assert statistic < _chi_square_critical(df), (position, statistic, df)
+
+
+def test_greedy_prompt_lookup_matches_transformers_assisted_generation(tmp_path):
+    """transformers' own prompt-lookup decoding (``prompt_lookup_num_tokens``) on the same
+    checkpoint is an independent oracle: its greedy tokens equal zllm's with n-gram
+    speculation (and both equal plain greedy decoding)."""
+    from transformers import LlamaForCausalLM
+
+    with zllm.Engine.from_config(_config(tmp_path, k=4, adaptive=False)) as e:
+        ids = e.prompt_ids(e.parse({"prompt": STORY}))
+        ours = e.generate({"prompt_token_ids": ids, "max_tokens": 48, "ignore_eos": True})["token_ids"]
+        assert sum(e.llm.spec_stats.accepted) > 0
+    model = LlamaForCausalLM.from_pretrained(MODEL_DIR / "hf", dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=48, min_new_tokens=48, prompt_lookup_num_tokens=4,
+                             pad_token_id=0)
+    assert out[0, len(ids):].tolist() == ours
+
+
+def test_a_grammar_constrained_request_speculates_within_its_grammar(tmp_path, plain):
+    """Each verify row is masked by the grammar after the proposals before it, and proposals
+    are cut where the grammar stops allowing them: greedy JSON output is token-identical."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tags": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                        "maxItems": 4}},
+              "required": ["name", "age", "tags"], "additionalProperties": False}
+    req = {"prompt": STORY, "max_tokens": 80,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    expected = plain.generate(req)
+    with zllm.Engine.from_config(_config(tmp_path, k=4)) as e:
+        _use_replay(e, {STORY: expected["token_ids"]}, error_rate=0.3)
+        got = e.generate(req)
+        stats = e.llm.spec_stats
+        assert 0 < sum(stats.accepted) < sum(stats.proposed)
+    assert got["token_ids"] == expected["token_ids"] and got["finish_reason"] == expected["finish_reason"] == "stop"
+    json.loads(got["text"])
+
+
+def test_an_mla_model_rolls_its_latent_cache_back_and_keeps_greedy_output(tmp_path):
+    """DeepSeek-V3 (MLA latent cache, MoE): rejected proposals' latent rows are rolled back."""
+    from tests.parity.test_deepseek_vs_transformers import _save
+
+    _, path = _save(tmp_path, "v3-moe-grouped-bias-norm")
+    req = {"prompt": STORY, "max_tokens": 48, "ignore_eos": True}
+    with zllm.Engine.from_config(_config(tmp_path / "plain", model=path)) as p:
+        expected = p.generate(req)["token_ids"]
+    with zllm.Engine.from_config(_config(tmp_path / "spec", model=path, k=3)) as e:
+        assert [t.name for t in e.llm.scheduler.kv.spec.layers[0].tensors] == ["latent"]
+        _use_replay(e, {STORY: expected}, error_rate=0.35)
+        assert e.generate(req)["token_ids"] == expected
+        stats = e.llm.spec_stats
+        assert 0 < sum(stats.accepted) < sum(stats.proposed)

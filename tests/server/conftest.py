@@ -394,3 +394,39 @@ def tool_chat_server(tmp_path_factory, tool_chat) -> Server:
                        server={"served_model_name": "qwen2-tools"})
     yield srv
     srv.stop()
+
+
+# ---------------------------------------------------------------- a random Qwen2 checkpoint with a tool template
+
+
+def build_random_tool_chat(dst: Path) -> Path:
+    """A random-weight Qwen2ForCausalLM with the ChatML tokenizer and Qwen2.5's tool template
+    (so zllm reads its tool calls in the Hermes format), written by transformers. Its answers
+    are noise: whatever a grammar forces out of it is the grammar's doing."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = build_chatml_tokenizer(dst)
+    tok.chat_template = QWEN25_TOOL_TEMPLATE
+    tok.save_pretrained(dst)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                      initializer_range=0.2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def random_tool_chat_server(tmp_path_factory) -> Server:
+    """:func:`build_random_tool_chat` served as ``qwen2-random-tools``."""
+    tmp = tmp_path_factory.mktemp("serve-random-tools")
+    srv = start_server(tmp, build_random_tool_chat(tmp / "tiny-qwen2-random-tools"),
+                       server={"served_model_name": "qwen2-random-tools"})
+    yield srv
+    srv.stop()

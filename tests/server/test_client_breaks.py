@@ -84,8 +84,8 @@ def test_non_utf8_body_is_400_invalid_json(server):
 
 
 def test_unknown_path_under_messages_is_anthropic_shaped(server):
-    # Was: POST /v1/messages/count_tokens (which the Anthropic SDK calls) got a 404 in OpenAI's shape.
-    r = httpx.post(server.url + "/v1/messages/count_tokens",
+    # Was: POST /v1/messages/batches (an Anthropic route zllm does not serve) got a 404 in OpenAI's shape.
+    r = httpx.post(server.url + "/v1/messages/batches",
                    json={"model": server.model, "messages": MESSAGES}, timeout=10)
     assert r.status_code == 404
     assert _anthropic_error(r)["type"] == "not_found_error"

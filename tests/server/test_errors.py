@@ -65,7 +65,9 @@ COMPLETION = {"prompt": "Once", "max_tokens": 4}
         ({**COMPLETION, "prompt": [1, 100000]}, "prompt"),
         ({**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
         ({**COMPLETION, "prompt": "Once upon a time " * 200}, "prompt"),  # > 512-token context
-        ({**COMPLETION, "n": 2}, "n"),
+        ({**COMPLETION, "n": 0}, "n"),
+        ({**COMPLETION, "n": 17}, "n"),
+        ({**COMPLETION, "response_format": "json"}, "response_format"),
         ({**COMPLETION, "logprobs": 21}, "logprobs"),
         ({**COMPLETION, "logprobs": True}, "logprobs"),
         ({**COMPLETION, "stream": "yes"}, "stream"),
@@ -132,11 +134,11 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, "messages[0].tool_call_id"),
-        ({**CHAT, "n": 3}, "n"),
+        ({**CHAT, "n": 17}, "n"),
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "response_format": "json"}, "response_format"),
         ({**CHAT, "max_completion_tokens": 3}, "max_tokens"),  # both the field and its alias
         ({**CHAT, "model": "nope"}, "model"),
     ],

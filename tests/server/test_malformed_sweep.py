@@ -34,10 +34,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from zllm.server.anthropic_messages import MessagesRequest
+from zllm.server.anthropic_messages import Conversation, MessagesRequest
 from zllm.server.openai_chat import ChatCompletionRequest
 from zllm.server.openai_completions import CompletionRequest
 from zllm.server.openai_responses import ResponsesRequest
+from zllm.server.tokens import DetokenizeRequest, TokenizeRequest
 
 EXAMPLES = 60
 
@@ -73,12 +74,18 @@ def _valid_bases(model: str) -> dict[str, dict[str, Any]]:
                                  "max_tokens": 2},
         "/v1/responses": {"model": model, "input": "Hi", "max_output_tokens": 2},
         "/v1/messages": {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/messages/count_tokens": {"model": model, "messages": [{"role": "user", "content": "Hi"}]},
+        "/tokenize": {"model": model, "prompt": "Once"},
+        "/detokenize": {"model": model, "tokens": [1, 2, 3]},
     }
 
 
 SCHEMAS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest}
+           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+           "/v1/messages/count_tokens": Conversation, "/tokenize": TokenizeRequest,
+           "/detokenize": DetokenizeRequest}
 ROUTES = list(SCHEMAS)
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 
 
 @st.composite
@@ -181,6 +188,16 @@ _LAST_EVENT = {"/v1/responses": {"response.completed", "response.incomplete"}, "
 
 def check_complete(route: str, body: Any) -> None:
     assert isinstance(body, dict), body
+    if route == "/v1/messages/count_tokens":
+        assert anthropic.types.MessageTokensCount.model_validate(body).input_tokens >= 1, body
+        return
+    if route == "/tokenize":
+        assert set(body) >= {"count", "max_model_len", "tokens"} and body["count"] == len(body["tokens"]), body
+        assert all(isinstance(t, int) and t >= 0 for t in body["tokens"]), body
+        return
+    if route == "/detokenize":
+        assert set(body) == {"prompt"} and isinstance(body["prompt"], str), body
+        return
     _COMPLETE[route].model_validate(body)
     if route == "/v1/messages":
         assert body["type"] == "message" and body["stop_reason"] in {"end_turn", "max_tokens", "stop_sequence"}
@@ -222,7 +239,7 @@ def check_names_the_field(route: str, sent: Any, body: dict[str, Any]) -> None:
     message = body["error"]["message"]
     unknown = message.endswith("unknown field (see docs/server.md for the fields each route accepts)") \
         and " or " not in message  # one error, not a union's merged alternatives
-    if route == "/v1/messages":  # Anthropic's shape has no param; messages start with the field
+    if route in ANTHROPIC_ROUTES:  # Anthropic's shape has no param; messages start with the field
         param = message.split(": ", 1)[0] if unknown else None
     else:
         param = body["error"]["param"]
@@ -240,7 +257,7 @@ def check_answer(route: str, r: httpx.Response, sent: Any = None) -> None:
     if r.status_code >= 400:
         assert r.headers["content-type"].startswith("application/json"), r.headers
         body = _strict_json(r.text)
-        (check_anthropic_error if route == "/v1/messages" else check_openai_error)(body)
+        (check_anthropic_error if route in ANTHROPIC_ROUTES else check_openai_error)(body)
         if r.status_code == 400:
             check_names_the_field(route, sent, body)
     elif r.headers["content-type"].startswith("text/event-stream"):

@@ -73,7 +73,7 @@ def test_stop_sequence_gives_finish_reason_stop(client, chat_server, completion_
 
 def test_sdk_parse_of_bad_request_raises_bad_request_error(client, chat_server):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=chat_server.model, messages=MESSAGES, n=2)
+        client.chat.completions.create(model=chat_server.model, messages=MESSAGES, n=17)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-unknown", messages=MESSAGES)

@@ -99,7 +99,7 @@ def test_previous_response_id_continues_the_conversation(client, chat_server):
     [({"input": []}, "input"), ({"max_output_tokens": 0}, "max_output_tokens"),
      ({"temperature": -1}, "temperature"), ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
      ({"reasoning": {"effort": "high"}}, "reasoning"),
-     ({"text": {"format": {"type": "json_object"}}}, "text.format")],
+     ({"text": {"format": {"type": "yaml"}}}, "text.format.type")],
 )
 def test_bad_fields_are_400_naming_the_field(client, chat_server, kw, param):
     args = {"model": chat_server.model, "input": "Hi", **kw}

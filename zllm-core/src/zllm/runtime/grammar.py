@@ -118,6 +118,10 @@ class GrammarMatcher:
         """Whether the grammar allows no further token (its text is complete)."""
         return self._matcher.is_stopped()
 
+    def fork(self) -> GrammarMatcher:
+        """A copy at the same position with its own mask buffer."""
+        return GrammarMatcher(self._matcher.deep_copy(), self._mask.numel())
+
 
 class CompiledGrammar:
     """A grammar compiled for one tokenizer; :meth:`matcher` starts a sequence on it."""
@@ -245,3 +249,8 @@ class AfterReasoning:
     @property
     def finished(self) -> bool:
         return not self._reasoning and self._inner.finished
+
+    def fork(self) -> AfterReasoning:
+        copy = AfterReasoning(self._inner.fork(), self._end, self._start, self._reasoning)
+        copy._first = self._first
+        return copy

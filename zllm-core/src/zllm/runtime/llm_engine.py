@@ -15,13 +15,27 @@ import torch
 
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.runner import ModelRunner, Sampled
-from zllm.runtime.sampler import TokenLogprob
+from zllm.runtime.sampler import TokenLogprob, allows
 from zllm.runtime.scheduler import ScheduledStep, Scheduler
 from zllm.runtime.sequence import Sequence, TokenConstraint
 from zllm.runtime.speculative import Lookahead, Proposer, SpecStats
 from zllm.spec.errors import ContextLengthError, RequestError
 from zllm.spec.request import GenerationRequest
 from zllm.tokenizer import IncrementalDetokenizer
+
+
+def _grammar_prefix(constraint: TokenConstraint, tokens: list[int]) -> int:
+    """How many of ``tokens`` the constraint allows in a row, ending at one that completes it
+    (a token after a disallowed or final one could never be accepted)."""
+    walk = constraint.fork()
+    for i, token in enumerate(tokens):
+        mask = walk.allowed_tokens()
+        if mask is not None and not allows(mask, token):
+            return i
+        walk.accept(token)
+        if walk.finished:
+            return i + 1
+    return len(tokens)
 
 
 @attrs.frozen
@@ -149,24 +163,28 @@ class LLMEngine:
     def _propose(self, step: ScheduledStep) -> ScheduledStep:
         """``step`` with proposals for its decodes: as many as each sequence's lookahead
         asks, never past its ``max_tokens`` or the context window (the step's own token comes
-        after them).
+        after them); a sequence under a grammar keeps the prefix its grammar allows.
 
-        None for a sequence under a grammar (its matcher would have to follow each verify
-        row; it decodes one token a step), and none before a sequence's first output token:
-        that token is drawn as a plain sample whether the last prompt token is computed in a
-        prefill or — after a prefix-cache hit — in a decode, so a seeded request draws the
-        same tokens with or without a cache hit."""
+        None before a sequence's first output token: that token is drawn as a plain sample
+        whether the last prompt token is computed in a prefill or — after a prefix-cache hit
+        — in a decode, so a seeded request draws the same tokens with or without a cache hit."""
         assert self.proposer is not None
         seqs = [seq for seq, _ in step.items[: step.num_decodes]]
         ks = []
         for seq in seqs:
             room = min(seq.max_new_tokens - len(seq.output_ids), self.context_length - seq.num_tokens) - 1
-            ks.append(0 if seq.constraint is not None or seq.lookahead is None or room <= 0 or not seq.output_ids
+            ks.append(0 if seq.lookahead is None or room <= 0 or not seq.output_ids
                       else min(seq.lookahead.next_k(), room))
         if not any(ks):
             return step
         proposals = self.proposer.propose(seqs, ks)
-        wanted = {s.seq_id: p.cut(k) for s, p, k in zip(seqs, proposals, ks, strict=True) if p.tokens and k}
+        wanted = {}
+        for seq, proposal, k in zip(seqs, proposals, ks, strict=True):
+            n = min(k, len(proposal.tokens))
+            if n and seq.constraint is not None:
+                n = _grammar_prefix(seq.constraint, proposal.tokens[:n])
+            if n:
+                wanted[seq.seq_id] = proposal.cut(n)
         return self.scheduler.add_lookahead(step, wanted)
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:

@@ -146,7 +146,8 @@ class ModelRunner:
         its KV back to the tokens it keeps."""
         rows = [self.sampling_row(seq, tuple(p.tokens[:j]))
                 for seq, p, _ in verifying for j in range(len(p.tokens) + 1)]
-        dist = self.sampler.distributions(logits, rows)  # [sum(k + 1), V]
+        masks = [m for seq, p, _ in verifying for m in self._verify_masks(seq, p.tokens)]
+        dist = self.sampler.distributions(logits, rows, masks=masks if any(m is not None for m in masks) else None)
         results = []
         offset = 0
         for seq, proposal, kept in verifying:
@@ -159,6 +160,21 @@ class ModelRunner:
             results.append(Sampled(seq, tuple(tokens), logprobs, k))
             offset += k + 1
         return results
+
+    def _verify_masks(self, seq: Sequence, proposal: list[int]) -> list[torch.Tensor | None]:
+        """The grammar's mask for each of the ``k + 1`` verify rows of ``seq`` (row ``i``
+        after the first ``i`` proposals), from a fork of its constraint; None without one."""
+        if seq.constraint is None:
+            return [None] * (len(proposal) + 1)
+        walk = seq.constraint.fork()
+        masks = []
+        for token in [*proposal, None]:
+            # A row after the token that completed the grammar is never used: the sequence ends there.
+            mask = None if walk.finished else walk.allowed_tokens()
+            masks.append(None if mask is None else mask.clone().to(self.device))
+            if token is not None:
+                walk.accept(token)
+        return masks
 
     @staticmethod
     def _results(sampling: list[Sequence], wanted: list[int | None], out) -> list[Sampled]:

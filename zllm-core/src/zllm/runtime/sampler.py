@@ -145,6 +145,14 @@ def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((words[:, None] >> bits) & 1).bool().flatten()[:vocab]  # [W * 32] -> [V]
 
 
+def allows(mask: torch.Tensor, token_id: int) -> bool:
+    """Whether a logits mask (bool ``[V]`` or packed int32 ``[W]``, :func:`apply_masks`)
+    allows ``token_id``."""
+    if mask.dtype == torch.bool:
+        return bool(mask[token_id])
+    return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
+
+
 def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
     """Disallowed tokens become ``-inf``: f32 ``[S, V]`` -> a new f32 ``[S, V]``.
 

@@ -33,6 +33,11 @@ class TokenConstraint(Protocol):
         """Advance past a sampled token."""
         ...
 
+    def fork(self) -> TokenConstraint:
+        """An independent copy at the same position: speculative decoding walks it over
+        proposed tokens (each verify row's mask) and drops it."""
+        ...
+
     @property
     def finished(self) -> bool:
         """Whether nothing may follow: the sequence ends without sampling an EOS."""

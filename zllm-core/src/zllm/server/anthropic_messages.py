@@ -1,12 +1,15 @@
-"""``POST /v1/messages`` — Anthropic Messages.
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` — Anthropic Messages.
 
 https://docs.anthropic.com/en/api/messages and .../messages-streaming. ``system`` (a string
 or text blocks) becomes a leading system message of the engine's ``messages`` prompt form;
 ``tool_use`` blocks become the assistant's ``tool_calls`` and ``tool_result`` blocks ``tool``
 messages; ``tools`` (client tools with an ``input_schema``) reach the chat template. The
 engine's parsed answer becomes ``thinking``, ``text`` and ``tool_use`` blocks (streamed with
-``thinking_delta``, ``text_delta`` and ``input_json_delta``). Errors use Anthropic's shape (see
-:mod:`zllm.server.errors`). Field table: docs/server.md.
+``thinking_delta``, ``text_delta`` and ``input_json_delta``). ``output_config.format`` becomes
+the engine's json_schema ``response_format``; ``tool_choice`` ``any`` / ``tool`` its
+``required`` / named function, enforced by constrained decoding. ``count_tokens`` renders the
+same prompt and counts it. Errors use Anthropic's shape (see :mod:`zllm.server.errors`).
+Field table: docs/server.md.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from starlette.requests import Request
 from zllm.server.common import StrictModel, new_id, reject_if, sse, sse_response, state, stop_sequence_matched
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
+from zllm.server.tokens import prompt_ids
 from zllm.spec.request import TOOL_NAME_PATTERN
 
 router = APIRouter()
@@ -78,46 +82,60 @@ class Metadata(StrictModel):
 
 class OutputConfig(StrictModel):
     effort: str | None = None  # accepted and ignored: zllm models do not think
-    format: dict[str, Any] | None = None  # structured output: rejected
+    format: dict[str, Any] | None = None  # structured output: checked by engine_format
 
 
-class MessagesRequest(StrictModel):
+class Conversation(StrictModel):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt and what
+    shapes the answer."""
+
     model: str
-    max_tokens: int
     messages: list[Message]
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    # Accepted and ignored: they carry no behaviour in a local server.
+    speed: str | None = None
+    cache_control: dict[str, Any] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    # Rejected with a 400 naming the field.
+    thinking: dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] | None = None
+
+
+class MessagesRequest(Conversation):
+    max_tokens: int
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     # Sampling: in the Messages API before 2026 (current SDKs send them via extra_body).
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    output_config: OutputConfig | None = None
     # Accepted and ignored: they carry no behaviour in a local server.
     metadata: Metadata | None = None
     service_tier: str | None = None
-    speed: str | None = None
     inference_geo: str | None = None
-    cache_control: dict[str, Any] | None = None
     diagnostics: dict[str, Any] | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
     # Rejected with a 400 naming the field.
-    thinking: dict[str, Any] | None = None
     container: str | None = None
-    mcp_servers: list[dict[str, Any]] | None = None
 
 
-RENAMES = {"prompt": "messages", "stop": "stop_sequences"}
+RENAMES = {"prompt": "messages", "stop": "stop_sequences",
+           "response_format": "output_config.format", "response_format.json_schema": "output_config.format",
+           "tool_choice.function": "tool_choice", "tools[*].function.parameters": "tools[*].input_schema",
+           "tools[*].function": "tools[*]"}
+
+FORMAT_NAME = "output"
+"""The name the engine's json_schema ``response_format`` gets (Anthropic's format has none)."""
 
 
 def _text(content: str | list[Any]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, TextBlock))
 
 
-def engine_messages(body: MessagesRequest) -> list[dict[str, Any]]:
+def engine_messages(body: Conversation) -> list[dict[str, Any]]:
     """The engine's ``messages``: ``tool_use`` blocks → the assistant's ``tool_calls``; each
     ``tool_result`` block → a ``tool`` message, ahead of the user's text.
 
@@ -165,7 +183,7 @@ def engine_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def engine_tools(body: MessagesRequest) -> dict[str, Any]:
+def engine_tools(body: Conversation) -> dict[str, Any]:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` in the engine's terms."""
     req: dict[str, Any] = {}
     if body.tools:
@@ -197,14 +215,42 @@ def engine_tools(body: MessagesRequest) -> dict[str, Any]:
     return req
 
 
-def engine_request(body: MessagesRequest) -> dict[str, Any]:
-    for field in ("container", "mcp_servers"):
-        reject_if(getattr(body, field), field)
-    if body.output_config is not None:
-        reject_if(body.output_config.format, "output_config.format")
+def engine_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    """``output_config.format`` (``{"type": "json_schema", "schema"}``) as the engine's
+    ``response_format``, named :data:`FORMAT_NAME`.
+
+    Raises:
+        ApiError: 400 naming ``output_config.format.type`` for another type, or a key it does not take.
+    """
+    if fmt.get("type") != "json_schema":
+        raise ApiError(400, f"output_config.format.type: expected 'json_schema', got {fmt.get('type')!r}",
+                       param="output_config.format.type")
+    for key in fmt:
+        if key not in ("type", "schema"):
+            raise ApiError(400, f"output_config.format.{key}: unknown field (a json_schema format takes type "
+                                "and schema)", param=f"output_config.format.{key}")
+    return {"type": "json_schema", "json_schema": {"name": FORMAT_NAME, "schema": fmt.get("schema")}}
+
+
+def conversation_request(body: Conversation) -> dict[str, Any]:
+    """The engine request fields of the conversation: ``messages``, tools and ``response_format``.
+
+    Raises:
+        ApiError: 400 naming the field (see :func:`engine_messages`, :func:`engine_tools`,
+            :func:`engine_format`), or ``thinking`` / ``mcp_servers``, which zllm does not do.
+    """
+    reject_if(body.mcp_servers, "mcp_servers")
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         reject_if(body.thinking, "thinking")
-    req: dict[str, Any] = {"messages": engine_messages(body), "max_tokens": body.max_tokens, **engine_tools(body)}
+    req: dict[str, Any] = {"messages": engine_messages(body), **engine_tools(body)}
+    if body.output_config is not None and body.output_config.format is not None:
+        req["response_format"] = engine_format(body.output_config.format)
+    return req
+
+
+def engine_request(body: MessagesRequest) -> dict[str, Any]:
+    reject_if(body.container, "container")
+    req = {**conversation_request(body), "max_tokens": body.max_tokens}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             req[name] = getattr(body, name)
@@ -294,7 +340,17 @@ async def messages(body: MessagesRequest, request: Request):
                       "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
 
-    return sse_response(events(), stream, anthropic=True)
+    return sse_response(events(), [stream], anthropic=True)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: Conversation, request: Request):
+    """The prompt's length in tokens: exactly what ``/v1/messages`` would feed the model (the
+    chat template's rendering with the tools), ``{"input_tokens": N}``."""
+    st = state(request)
+    st.check_model(body.model)
+    ids = await prompt_ids(st, conversation_request(body), RENAMES)
+    return {"input_tokens": len(ids)}
 
 
 class _BlockStream:

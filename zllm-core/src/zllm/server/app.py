@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from zllm.server import anthropic_messages, openai_chat, openai_completions, openai_responses
+from zllm.server import anthropic_messages, openai_chat, openai_completions, openai_responses, tokens
 from zllm.server.common import ServerState, state
 from zllm.server.errors import ApiError, error_response, validation_error
 
@@ -95,7 +95,7 @@ def create_app(engine, *, model_name: str | None = None, max_body_bytes: int = M
     async def metrics(request: Request):
         return Response(generate_latest(state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (openai_completions, openai_chat, openai_responses, anthropic_messages):
+    for module in (openai_completions, openai_chat, openai_responses, anthropic_messages, tokens):
         app.include_router(module.router)
 
     return _BodyLimit(_CountRequests(app), max_body_bytes)
@@ -142,7 +142,8 @@ class _CountRequests:
 
 
 _ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-                     "/v1/responses", "/v1/messages", "/docs", "/openapi.json"})
+                     "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+                     "/docs", "/openapi.json"})
 
 
 def _route(scope) -> str:

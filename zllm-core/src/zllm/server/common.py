@@ -7,7 +7,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -19,6 +20,7 @@ from zllm.server.errors import ANTHROPIC_PATHS, ApiError, error_body
 from zllm.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
+    from zllm.server.generation import EngineStream
     from zllm.server.openai_responses import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -131,35 +133,45 @@ def sse(data: Any, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
-def sse_response(body, stream, *, anthropic: bool = False,
+def sse_response(body: AsyncGenerator[str, None], streams: Sequence[EngineStream], *, anthropic: bool = False,
                  error_event: Callable[[ApiError], str] | None = None) -> StreamingResponse:
-    """A ``text/event-stream`` response whose engine stream is closed however it ends.
+    """A ``text/event-stream`` response whose engine streams are closed however it ends.
 
     An error after the response has started cannot change its status any more; it is sent
     as a last event: ``error_event(err)`` when given (Responses numbers its events), else the
     protocol's error body (an ``event: error`` on Anthropic's routes, bare ``data:`` on
-    OpenAI's). Errors that are not :class:`ApiError` are logged and reported as 500s."""
+    OpenAI's). Errors that are not :class:`ApiError` are logged and reported as 500s.
+    Once the response ends (a client disconnect included) ``body`` is closed, then every
+    stream: closing ``body`` first lets it stop what it awaits on its streams' behalf."""
 
     async def guarded():
-        try:
-            async for chunk in body:
-                yield chunk
-        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
-            if isinstance(exc, ApiError):
-                err = exc
-            else:
-                log.exception("error while streaming")
-                err = ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
-            if error_event is not None:
-                yield error_event(err)
-            else:
-                path = ANTHROPIC_PATHS[0] if anthropic else ""
-                yield sse(error_body(path, err), "error" if anthropic else None)
+        async with aclosing(body):
+            try:
+                async for chunk in body:
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
+                if isinstance(exc, ApiError):
+                    err = exc
+                else:
+                    log.exception("error while streaming")
+                    err = ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+                if error_event is not None:
+                    yield error_event(err)
+                else:
+                    path = ANTHROPIC_PATHS[0] if anthropic else ""
+                    yield sse(error_body(path, err), "error" if anthropic else None)
+
+    chunks = guarded()
+
+    async def close() -> None:
+        await chunks.aclose()
+        for stream in streams:
+            await stream.aclose()
 
     return StreamingResponse(
-        guarded(), media_type="text/event-stream",
+        chunks, media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        background=BackgroundTask(stream.aclose),
+        background=BackgroundTask(close),
     )
 
 
@@ -180,8 +192,36 @@ def stop_sequence_matched(engine, stop: list[str], text: str, token_ids: list[in
     return best[2] if best else None
 
 
-def openai_usage(final: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``usage`` object from the engine's final event (Chat and Completions)."""
-    u = final["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+def openai_usage(finals: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (Chat and Completions) from the engine's final events of a
+    request's choices: completion tokens summed over them, the prompt counted once (as OpenAI
+    counts ``n`` > 1; the choices share one prompt)."""
+    u = finals[0]["usage"]
+    completion = sum(f["usage"]["completion_tokens"] for f in finals)
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": completion,
+            "total_tokens": u["prompt_tokens"] + completion,
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+MAX_CHOICES = 16
+"""The largest ``n`` (choices per request) the OpenAI routes accept."""
+
+
+def choice_requests(req: dict[str, Any], n: int | None, default_seed: int | None) -> list[dict[str, Any]]:
+    """The engine requests of ``n`` independent choices of one request ``req``: copies of it,
+    choice ``i`` seeded with ``seed + i`` (modulo 2**64) when a seed is set, by the request or
+    else by the config (``default_seed``: ``generation.seed``), so seeded choices differ from
+    one another and each is reproducible.
+
+    Raises:
+        ApiError: 400 naming ``n`` unless it is None or 1..:data:`MAX_CHOICES`.
+    """
+    if n is None:
+        n = 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n: expected an int from 1 to {MAX_CHOICES} (choices per request), got {n}",
+                       param="n", code="invalid_value")
+    seed = req.get("seed", default_seed)
+    if n == 1 or seed is None:
+        return [dict(req) for _ in range(n)]
+    return [{**req, "seed": (seed + i) % 2**64} for i in range(n)]

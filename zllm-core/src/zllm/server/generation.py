@@ -20,8 +20,10 @@ shutting down brings every deadline forward to the end of ``server.shutdown_time
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -36,13 +38,33 @@ if TYPE_CHECKING:
 
 
 def request_error(exc: RequestError, renames: Mapping[str, str]) -> ApiError:
-    """A 400 for an engine RequestError, with the field renamed to the protocol's name."""
-    field = renames.get(exc.field, exc.field)
+    """A 400 for an engine RequestError, with the field renamed to the protocol's name
+    (:func:`rename_field`)."""
+    field = rename_field(exc.field, renames)
     message = str(exc)
     if exc.field and message.startswith(exc.field + ":"):
         message = field + message[len(exc.field):]
     code = "unsupported_parameter" if isinstance(exc, UnsupportedRequestError) else "invalid_value"
     return ApiError(400, message, param=field or None, code=code)
+
+
+def rename_field(field: str, renames: Mapping[str, str]) -> str:
+    """An engine field path in a protocol's terms.
+
+    ``renames`` maps engine paths to the protocol's; a key matches the whole path or its
+    start up to a ``.`` or ``[`` (``response_format`` → ``text.format`` renames
+    ``response_format.json_schema.schema`` too), the longest key wins, and ``[*]`` in a key
+    stands for any list index, kept in the result (``tools[*].function`` → ``tools[*]``
+    makes ``tools[2].function.name`` ``tools[2].name``)."""
+    best: tuple[int, str] | None = None
+    for key, new in renames.items():
+        pattern = re.escape(key).replace(re.escape("[*]"), r"\[(\d+)\]")
+        m = re.match(pattern + r"(?=$|[.\[])", field)
+        if m and (best is None or m.end() > best[0]):
+            parts = new.split("[*]")
+            renamed = parts[0] + "".join(f"[{i}]{rest}" for i, rest in zip(m.groups(), parts[1:], strict=True))
+            best = (m.end(), renamed)
+    return field if best is None else best[1] + field[best[0]:]
 
 
 def arrival_time(request: Request) -> float:
@@ -156,23 +178,101 @@ class EngineStream:
                 await events.aclose()
 
 
-async def run_to_end(stream: EngineStream, request) -> tuple[str, dict[str, Any]]:
-    """Collect a whole generation for a non-streamed response: ``(text, final event)``, the
-    final event with ``logprobs``: every delta's, concatenated (None when not asked for).
-    Stops (and frees the sequence) if the client disconnects meanwhile."""
-    parts: list[str] = []
-    logprobs: list[dict[str, Any]] | None = None
-    events = stream.events()
+async def open_streams(st: ServerState, http_request: Request, requests: Sequence[dict[str, Any]],
+                       renames: Mapping[str, str]) -> list[EngineStream]:
+    """:meth:`EngineStream.open` for every request at once (the ``n`` choices of one HTTP
+    request), so they are queued together and share the engine's steps.
+
+    Raises:
+        ApiError: the first request's (by index) that failed; every stream opened is closed.
+    """
+    tasks = [asyncio.ensure_future(EngineStream.open(st, http_request, r, renames)) for r in requests]
     try:
-        async for event in events:
+        await asyncio.wait(tasks)
+    except BaseException:
+        await _close_opened(tasks, cancel=True)
+        raise
+    failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+    if failed is not None:
+        await _close_opened(tasks)
+        raise failed
+    return [t.result() for t in tasks]
+
+
+async def _close_opened(tasks: Sequence[asyncio.Future[EngineStream]], cancel: bool = False) -> None:
+    with anyio.CancelScope(shield=True):
+        for t in tasks:
+            if cancel:
+                t.cancel()
+            try:
+                stream = await t
+            except BaseException:  # noqa: BLE001 - the request failed or was cancelled: nothing to close
+                continue
+            await stream.aclose()
+
+
+async def merged_events(streams: Sequence[EngineStream]) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """Every stream's events as ``(index in streams, event)`` in the order they arrive, each
+    stream's ``final`` event last for it. Closing this generator, or an error from any stream
+    (a deadline), closes every stream: the unfinished requests are aborted."""
+    gens = [s.events() for s in streams]
+    pending: dict[asyncio.Future[dict[str, Any]], int] = {
+        asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                i = pending.pop(fut)
+                try:
+                    event = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, event
+                pending[asyncio.ensure_future(gens[i].__anext__())] = i
+    finally:
+        with anyio.CancelScope(shield=True):
+            for fut in pending:
+                fut.cancel()
+            for fut in pending:
+                try:
+                    await fut
+                except BaseException:  # noqa: BLE001 - the stream is being closed either way
+                    pass
+            for g in gens:
+                await g.aclose()
+            for s in streams:
+                await s.aclose()
+
+
+async def run_all_to_end(streams: Sequence[EngineStream], request) -> list[tuple[str, dict[str, Any]]]:
+    """Collect whole generations for a non-streamed response: per stream ``(text, final
+    event)``, the final event with ``logprobs``: every delta's, concatenated (None when not
+    asked for). Stops (and frees every sequence) if the client disconnects meanwhile.
+
+    Raises:
+        ApiError: 499 when the client disconnected; 408 / 503 as :meth:`EngineStream.events`.
+    """
+    parts: list[list[str]] = [[] for _ in streams]
+    logprobs: list[list[dict[str, Any]] | None] = [None] * len(streams)
+    finals: dict[int, dict[str, Any]] = {}
+    events = merged_events(streams)
+    try:
+        async for i, event in events:
             if event["type"] == "final":
-                return "".join(parts), {**event, "logprobs": logprobs}
-            parts.append(event["text"])
+                finals[i] = {**event, "logprobs": logprobs[i]}
+                if len(finals) == len(streams):
+                    return [("".join(parts[k]), finals[k]) for k in range(len(streams))]
+                continue
+            parts[i].append(event["text"])
             if event["logprobs"] is not None:
-                logprobs = (logprobs or []) + event["logprobs"]
+                logprobs[i] = (logprobs[i] or []) + event["logprobs"]
             if await request.is_disconnected():
                 break
     finally:
         await events.aclose()
-        await stream.aclose()
     raise ApiError(499, "client disconnected")
+
+
+async def run_to_end(stream: EngineStream, request) -> tuple[str, dict[str, Any]]:
+    """:func:`run_all_to_end` for one stream."""
+    return (await run_all_to_end([stream], request))[0]

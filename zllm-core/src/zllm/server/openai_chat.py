@@ -4,20 +4,35 @@ https://platform.openai.com/docs/api-reference/chat. Messages are passed to the 
 its ``messages`` prompt form (``[{"role", "content"}]``, with ``tool_calls`` and
 ``tool_call_id``); the model's chat template renders them and the request's ``tools``. The
 engine's parsed answer becomes ``message.content``, ``reasoning_content`` and ``tool_calls``
-(streamed as ``delta.tool_calls``). Field table: docs/server.md.
+(streamed as ``delta.tool_calls``). ``response_format`` (json_object, json_schema and zllm's
+regex and grammar types) and a forced ``tool_choice`` reach the engine unchanged, which
+enforces them by constrained decoding: a json_schema answer's ``content`` is the JSON text.
+``n`` > 1 runs n engine requests at once (:func:`zllm.server.common.choice_requests`).
+Field table: docs/server.md.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 from typing import Any, Literal
 
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from zllm.server.common import SamplingFields, StrictModel, new_id, openai_usage, reject_if, sse, sse_response, state
+from zllm.server.common import (
+    SamplingFields,
+    StrictModel,
+    choice_requests,
+    new_id,
+    openai_usage,
+    reject_if,
+    sse,
+    sse_response,
+    state,
+)
 from zllm.server.errors import ApiError
-from zllm.server.generation import EngineStream, run_to_end
+from zllm.server.generation import merged_events, open_streams, run_all_to_end
 from zllm.server.logprobs import chat_logprobs
 from zllm.server.openai_completions import StreamOptions
 
@@ -120,10 +135,8 @@ def engine_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
-    if body.n not in (None, 1):
-        raise ApiError(400, "n: only n = 1 is supported", param="n", code="unsupported_parameter")
-    for field in ("logit_bias", "functions", "function_call", "response_format",
-                  "reasoning_effort", "audio", "prediction", "web_search_options"):
+    for field in ("logit_bias", "functions", "function_call", "reasoning_effort", "audio", "prediction",
+                  "web_search_options"):
         reject_if(getattr(body, field), field)
     if body.modalities not in (None, ["text"]):
         reject_if(body.modalities, "modalities", "only [\"text\"]")
@@ -136,8 +149,9 @@ def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
     if body.logprobs:
         req["logprobs"] = 0 if body.top_logprobs is None else body.top_logprobs
-    # The engine checks tools and tool_choice (names, known tool, constrained decoding).
-    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+    # The engine checks tools, tool_choice and response_format (names, known tool, schema) and
+    # enforces them by constrained decoding; OpenAI's shapes are the engine's.
+    for field in ("tools", "tool_choice", "parallel_tool_calls", "response_format"):
         if getattr(body, field) is not None:
             req[field] = getattr(body, field)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -152,16 +166,17 @@ def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = state(request)
     st.check_model(body.model)
-    stream = await EngineStream.open(st, request, engine_request(body), RENAMES)
+    requests = choice_requests(engine_request(body), body.n, st.engine.config.generation.seed)
+    streams = await open_streams(st, request, requests, RENAMES)
     cid, created = new_id("chatcmpl-"), int(time.time())
 
     if not body.stream:
-        _, final = await run_to_end(stream, request)
+        results = await run_all_to_end(streams, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "message": assistant_message(final),
-                             "finish_reason": final["finish_reason"],
-                             "logprobs": None if final["logprobs"] is None else chat_logprobs(final["logprobs"])}],
-                "usage": openai_usage(final)}
+                "choices": [{"index": i, "message": assistant_message(final), "finish_reason": final["finish_reason"],
+                             "logprobs": None if final["logprobs"] is None else chat_logprobs(final["logprobs"])}
+                            for i, (_, final) in enumerate(results)],
+                "usage": openai_usage([final for _, final in results])}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -173,21 +188,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return out
 
     async def events():
-        yield sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                          "logprobs": None}]))
-        async for event in stream.events():
-            if event["type"] == "delta":
-                delta = stream_delta(event)
-                logprobs = None if not event["logprobs"] else chat_logprobs(event["logprobs"])
-                if delta or logprobs:
-                    yield sse(chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs}]))
-                continue
-            yield sse(chunk([{"index": 0, "delta": {}, "finish_reason": event["finish_reason"], "logprobs": None}]))
-            if include_usage:
-                yield sse(chunk([], openai_usage(event)))
+        for i in range(len(streams)):
+            yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                              "logprobs": None}]))
+        finals: list[dict[str, Any]] = [{} for _ in streams]
+        async with aclosing(merged_events(streams)) as merged:
+            async for i, event in merged:
+                if event["type"] == "delta":
+                    delta = stream_delta(event)
+                    logprobs = None if not event["logprobs"] else chat_logprobs(event["logprobs"])
+                    if delta or logprobs:
+                        yield sse(chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": logprobs}]))
+                    continue
+                finals[i] = event
+                yield sse(chunk([{"index": i, "delta": {}, "finish_reason": event["finish_reason"],
+                                  "logprobs": None}]))
+        if include_usage:
+            yield sse(chunk([], openai_usage(finals)))
         yield sse("[DONE]")
 
-    return sse_response(events(), stream)
+    return sse_response(events(), streams)
 
 
 def assistant_message(final: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """``POST /v1/completions`` — OpenAI Completions (legacy text completion).
 
-https://platform.openai.com/docs/api-reference/completions. Field table: docs/server.md.
+https://platform.openai.com/docs/api-reference/completions. ``n`` > 1 runs n engine requests
+at once (:func:`zllm.server.common.choice_requests`); ``response_format`` (vLLM accepts it
+here too) reaches the engine as on Chat. Field table: docs/server.md.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -19,6 +22,7 @@ from zllm.server.common import (
     SamplingFields,
     ServerState,
     StrictModel,
+    choice_requests,
     new_id,
     openai_usage,
     reject_if,
@@ -27,7 +31,7 @@ from zllm.server.common import (
     state,
 )
 from zllm.server.errors import ApiError
-from zllm.server.generation import EngineStream, run_to_end
+from zllm.server.generation import merged_events, open_streams, run_all_to_end
 from zllm.server.logprobs import completion_logprobs
 from zllm.spec.request import make_logprobs
 
@@ -53,6 +57,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's extension: Chat's shape, enforced by the engine
     user: str | None = None  # accepted and ignored
 
 
@@ -61,8 +66,6 @@ RENAMES = {"prompt_token_ids": "prompt"}
 
 
 def engine_request(body: CompletionRequest) -> dict[str, Any]:
-    if body.n not in (None, 1):
-        raise ApiError(400, "n: only n = 1 is supported", param="n", code="unsupported_parameter")
     if body.best_of not in (None, 1):
         raise ApiError(400, "best_of: only best_of = 1 is supported", param="best_of", code="unsupported_parameter")
     reject_if(body.logit_bias, "logit_bias")
@@ -87,6 +90,8 @@ def engine_request(body: CompletionRequest) -> dict[str, Any]:
         req["stop"] = body.stop
     if body.logprobs is not None:
         req["logprobs"] = body.logprobs
+    if body.response_format is not None:
+        req["response_format"] = body.response_format
     return req
 
 
@@ -120,7 +125,8 @@ async def completions(body: CompletionRequest, request: Request):
     st = state(request)
     st.check_model(body.model)
     req = engine_request(body)
-    stream = await EngineStream.open(st, request, req, RENAMES)
+    streams = await open_streams(st, request, choice_requests(req, body.n, st.engine.config.generation.seed),
+                                 RENAMES)
     cid, created = new_id("cmpl-"), int(time.time())
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, with_usage_key: bool = False):
@@ -133,35 +139,44 @@ async def completions(body: CompletionRequest, request: Request):
     try:
         echo_text, echo_logprobs = await _echo(st, req, body) if body.echo else ("", None)
     except BaseException:
-        await stream.aclose()  # free the queued request: the error answers it
+        for stream in streams:
+            await stream.aclose()  # free the queued requests: the error answers them
         raise
 
     if not body.stream:
-        text, final = await run_to_end(stream, request)
-        logprobs = None if final["logprobs"] is None else completion_logprobs(final["logprobs"], 0, echo_logprobs)
-        return chunk([{"index": 0, "text": echo_text + text, "finish_reason": final["finish_reason"],
-                       "logprobs": logprobs}], openai_usage(final), True)
+        results = await run_all_to_end(streams, request)
+        return chunk([{"index": i, "text": echo_text + text, "finish_reason": final["finish_reason"],
+                       "logprobs": None if final["logprobs"] is None else
+                       completion_logprobs(final["logprobs"], 0, echo_logprobs)}
+                      for i, (text, final) in enumerate(results)],
+                     openai_usage([final for _, final in results]), True)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events():
-        offset = sum(len(e["token"]) for e in echo_logprobs or ())
+        echo_offset = sum(len(e["token"]) for e in echo_logprobs or ())
+        offsets = [echo_offset] * len(streams)
         if body.echo:
             logprobs = None if body.logprobs is None else completion_logprobs([], 0, echo_logprobs)
-            yield sse(chunk([{"index": 0, "text": echo_text, "finish_reason": None, "logprobs": logprobs}],
-                            None, include_usage))
-        async for event in stream.events():
-            if event["type"] == "delta":
-                if event["text"] or event["logprobs"]:
-                    logprobs = None if event["logprobs"] is None else completion_logprobs(event["logprobs"], offset)
-                    yield sse(chunk([{"index": 0, "text": event["text"], "finish_reason": None,
-                                      "logprobs": logprobs}], None, include_usage))
-                    offset += sum(len(e["token"]) for e in event["logprobs"] or ())
-                continue
-            yield sse(chunk([{"index": 0, "text": "", "finish_reason": event["finish_reason"], "logprobs": None}],
-                            None, include_usage))
-            if include_usage:
-                yield sse(chunk([], openai_usage(event), True))
+            for i in range(len(streams)):
+                yield sse(chunk([{"index": i, "text": echo_text, "finish_reason": None, "logprobs": logprobs}],
+                                None, include_usage))
+        finals: list[dict[str, Any]] = [{} for _ in streams]
+        async with aclosing(merged_events(streams)) as merged:
+            async for i, event in merged:
+                if event["type"] == "delta":
+                    if event["text"] or event["logprobs"]:
+                        logprobs = None if event["logprobs"] is None else \
+                            completion_logprobs(event["logprobs"], offsets[i])
+                        yield sse(chunk([{"index": i, "text": event["text"], "finish_reason": None,
+                                          "logprobs": logprobs}], None, include_usage))
+                        offsets[i] += sum(len(e["token"]) for e in event["logprobs"] or ())
+                    continue
+                finals[i] = event
+                yield sse(chunk([{"index": i, "text": "", "finish_reason": event["finish_reason"],
+                                  "logprobs": None}], None, include_usage))
+        if include_usage:
+            yield sse(chunk([], openai_usage(finals), True))
         yield sse("[DONE]")
 
-    return sse_response(events(), stream)
+    return sse_response(events(), streams)

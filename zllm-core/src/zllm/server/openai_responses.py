@@ -4,9 +4,11 @@ https://platform.openai.com/docs/api-reference/responses. ``input`` (a string or
 ``function_call`` and ``function_call_output`` items) and ``instructions`` (a leading system
 message) become the engine's ``messages`` prompt form; function ``tools`` reach the chat
 template, and the parsed answer becomes ``reasoning``, ``message`` and ``function_call``
-output items. Responses are kept in a bounded in-memory store (the newest
-:data:`STORE_CAPACITY`, unless ``store: false``) so ``previous_response_id`` can continue a
-conversation and ``GET /v1/responses/{id}`` can fetch one; a restart forgets them.
+output items; ``text.format`` becomes the engine's ``response_format`` and ``include`` of
+``message.output_text.logprobs`` its ``logprobs`` (:func:`engine_request`). Responses are
+kept in a bounded in-memory store (the newest :data:`STORE_CAPACITY`, unless ``store:
+false``) so ``previous_response_id`` can continue a conversation and ``GET
+/v1/responses/{id}`` can fetch one; a restart forgets them.
 Field table: docs/server.md.
 """
 
@@ -23,6 +25,7 @@ from starlette.requests import Request
 from zllm.server.common import SamplingFields, StrictModel, new_id, reject_if, sse, sse_response, state
 from zllm.server.errors import ERROR_TYPES, ApiError
 from zllm.server.generation import EngineStream, run_to_end
+from zllm.server.logprobs import chat_logprobs
 
 router = APIRouter()
 
@@ -75,13 +78,22 @@ class FunctionTool(StrictModel):
     strict: bool | None = None
 
 
-class TextFormat(StrictModel):
-    type: str
-
-
 class TextConfig(StrictModel):
-    format: TextFormat | None = None
+    format: dict[str, Any] | None = None  # checked by engine_format
     verbosity: str | None = None  # accepted and ignored
+
+
+# text.format type -> the keys it may carry (besides type).
+_FORMAT_KEYS = {"text": (), "json_object": (), "json_schema": ("name", "schema", "strict", "description"),
+                "regex": ("regex",), "grammar": ("grammar",)}
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Other include values OpenAI defines: each asks for a part of an item zllm never produces
+# (tool outputs of hosted tools, images, encrypted reasoning), so there is nothing to add.
+_IGNORED_INCLUDES = frozenset({
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content"})
 
 
 class StreamOptions(StrictModel):
@@ -102,10 +114,10 @@ class ResponsesRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # function tools; other tool types are rejected
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # Rejected with a 400 naming the field (they change generation; zllm does not do them).
-    reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
+    # Rejected with a 400 naming the field (they change generation; zllm does not do them).
+    reasoning: dict[str, Any] | None = None
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -120,7 +132,9 @@ class ResponsesRequest(SamplingFields):
     prompt_cache_retention: str | None = None
 
 
-RENAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
+RENAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
+           "response_format": "text.format", "response_format.json_schema": "text.format",
+           "tool_choice.function": "tool_choice", "tools[*].function": "tools[*]", "logprobs": "top_logprobs"}
 
 
 class ResponseStore:
@@ -208,16 +222,68 @@ def engine_tools(body: ResponsesRequest) -> dict[str, Any]:
     return req
 
 
+def engine_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    """``text.format`` as the engine's ``response_format`` (None for plain text): OpenAI's
+    ``json_schema`` format keeps ``name``, ``schema``, ``strict`` and ``description`` at the
+    top, where Chat nests them in ``json_schema``; zllm's ``regex`` and ``grammar`` pass as they are.
+
+    Raises:
+        ApiError: 400 naming ``text.format.type`` for an unknown type, or the key it does not take.
+    """
+    kind = fmt.get("type")
+    if kind not in _FORMAT_KEYS:
+        raise ApiError(400, f"text.format.type: expected one of {', '.join(map(repr, _FORMAT_KEYS))}, got {kind!r}",
+                       param="text.format.type", code="invalid_value")
+    for key in fmt:
+        if key != "type" and key not in _FORMAT_KEYS[kind]:
+            raise ApiError(400, f"text.format.{key}: unknown field for a {kind!r} format (it takes "
+                                f"{', '.join(('type', *_FORMAT_KEYS[kind]))})",
+                           param=f"text.format.{key}", code="invalid_value")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return dict(fmt)
+
+
+def logprobs_field(body: ResponsesRequest) -> int | None:
+    """The engine's ``logprobs`` (alternatives per token) when ``include`` asks for the output
+    text's logprobs, else None.
+
+    Raises:
+        ApiError: 400 naming ``include[i]`` for a value OpenAI does not define, or
+            ``top_logprobs`` given without the logprobs include.
+    """
+    wanted = False
+    for i, item in enumerate(body.include or ()):
+        if item == LOGPROBS_INCLUDE:
+            wanted = True
+        elif item not in _IGNORED_INCLUDES:
+            raise ApiError(400, f"include[{i}]: unknown value {item!r}; zllm includes {LOGPROBS_INCLUDE!r} "
+                                f"(and accepts and ignores {', '.join(sorted(_IGNORED_INCLUDES))})",
+                           param=f"include[{i}]", code="invalid_value")
+    if not wanted:
+        if body.top_logprobs is not None:
+            raise ApiError(400, f"top_logprobs: needs include: [{LOGPROBS_INCLUDE!r}]", param="top_logprobs",
+                           code="invalid_value")
+        return None
+    return 0 if body.top_logprobs is None else body.top_logprobs
+
+
 def engine_request(body: ResponsesRequest, convo: list[dict[str, Any]]) -> dict[str, Any]:
-    for field in ("reasoning", "include", "top_logprobs", "background", "conversation", "prompt"):
+    for field in ("reasoning", "background", "conversation", "prompt"):
         reject_if(getattr(body, field), field)
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise ApiError(400, f"text.format: only type 'text' is supported, got {body.text.format.type!r}",
-                       param="text.format", code="unsupported_parameter")
     req = body.engine_fields()
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     req["messages"] = system + convo
     req.update(engine_tools(body))
+    if body.text is not None and body.text.format is not None:
+        fmt = engine_format(body.text.format)
+        if fmt is not None:
+            req["response_format"] = fmt
+    logprobs = logprobs_field(body)
+    if logprobs is not None:
+        req["logprobs"] = logprobs
     if body.max_output_tokens is not None:
         req["max_tokens"] = body.max_output_tokens
     if body.stop is not None:
@@ -247,6 +313,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     rid, mid, created = new_id("resp_"), new_id("msg_"), int(time.time())
 
     items = _Items(mid)
+    fmt = body.text.format if body.text is not None and body.text.format is not None else {"type": "text"}
 
     def response(status: str, output: list[dict[str, Any]], final: dict[str, Any] | None) -> dict[str, Any]:
         incomplete = final is not None and final["finish_reason"] == "length"
@@ -260,7 +327,8 @@ async def create_response(body: ResponsesRequest, request: Request):
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"), "tools": body.tools or [],
             "truncation": "disabled",
-            "text": {"format": {"type": "text"}}, "metadata": body.metadata or {}, "usage": _usage(final),
+            "text": {"format": fmt}, "top_logprobs": body.top_logprobs, "metadata": body.metadata or {},
+            "usage": _usage(final),
         }
 
     def finished(final: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +373,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
             yield ev(kind, response=done)
 
-    return sse_response(events(), stream, error_event=error_event)
+    return sse_response(events(), [stream], error_event=error_event)
 
 
 class _Items:
@@ -319,15 +387,17 @@ class _Items:
         self._open: tuple[str, int, dict[str, Any]] | None = None  # (kind, output_index, item)
         self._count = 0
         self._text = ""
+        self._logprobs: list[dict[str, Any]] = []  # the open message's, as streamed
+        self._message_logprobs: list[dict[str, Any]] = []  # every content delta's
 
     def _fc_id(self, index: int) -> str:
         while len(self._call_ids) <= index:
             self._call_ids.append(new_id("fc_"))
         return self._call_ids[index]
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [] if status == "in_progress" else [_part(text)]}
+                "content": [] if status == "in_progress" else [_part(text, logprobs)]}
 
     def reasoning(self, text: str) -> dict[str, Any]:
         return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
@@ -341,13 +411,16 @@ class _Items:
         """The response's ``output`` for the engine's final event."""
         out = [self.reasoning(final["reasoning_content"])] if final["reasoning_content"] else []
         if final["content"] or not final["tool_calls"]:
-            out.append(self.message(final["content"], status))
+            # A non-streamed answer's final event carries every token's logprobs (run_to_end);
+            # a stream's final event none, and its message has the content deltas' ones.
+            logprobs = _logprobs(final["logprobs"]) if "logprobs" in final else self._message_logprobs
+            out.append(self.message(final["content"], status, logprobs))
         out += [self.call(i, c, "completed") for i, c in enumerate(final["tool_calls"])]
         return out
 
     def _start(self, kind: str, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        self._open, self._text = (kind, self._count, item), ""
+        self._open, self._text, self._logprobs = (kind, self._count, item), "", []
         self._count += 1
         out.append(("response.output_item.added", {"output_index": self._count - 1, "item": item}))
         if kind == "message":
@@ -368,9 +441,10 @@ class _Items:
         kind, index, item = self._open
         done = next((o for o in output or () if o["id"] == item["id"]), None)
         if kind == "message":
-            out.append(("response.output_text.done", {**self._where(), "text": self._text, "logprobs": []}))
-            out.append(("response.content_part.done", {**self._where(), "part": _part(self._text)}))
-            done = done or {**self.message(self._text, "completed")}
+            out.append(("response.output_text.done",
+                        {**self._where(), "text": self._text, "logprobs": self._logprobs}))
+            out.append(("response.content_part.done", {**self._where(), "part": _part(self._text, self._logprobs)}))
+            done = done or {**self.message(self._text, "completed", self._logprobs)}
         elif kind == "reasoning":
             out.append(("response.reasoning_text.done", {**self._where(), "text": self._text}))
             done = done or self.reasoning(self._text)
@@ -394,7 +468,11 @@ class _Items:
             if self._open is None or self._open[0] != "message":
                 out += self.close() + self._start("message", self.message("", "in_progress"))
             self._text += event["content"]
-            out.append(("response.output_text.delta", {**self._where(), "delta": event["content"], "logprobs": []}))
+            logprobs = _logprobs(event["logprobs"])
+            self._logprobs += logprobs
+            self._message_logprobs += logprobs
+            out.append(("response.output_text.delta",
+                        {**self._where(), "delta": event["content"], "logprobs": logprobs}))
         for c in event["tool_calls"]:
             if c["id"] is not None:
                 out += self.close() + self._start("call", self.call(c["index"], {**c, "arguments": ""}, "in_progress"))
@@ -411,5 +489,11 @@ async def retrieve_response(response_id: str, request: Request):
     return _store(request).get(response_id, "response_id")[0]
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """An ``output_text`` part's ``logprobs`` (``[{token, logprob, bytes, top_logprobs: [{token,
+    logprob, bytes}]}]``, Chat's entries) from the engine's; [] when not asked for."""
+    return chat_logprobs(entries)["content"] if entries else []
