@@ -172,6 +172,16 @@ def test_a_sampled_proposal_carries_the_draft_distribution_it_was_drawn_from(hot
                 assert kept[token]
 
 
+def test_a_sampled_proposal_under_a_grammar_is_verified_as_one_hot(hot_draft):
+    with zllm.Engine.from_config(_config(hot_draft, k=3)) as e:
+        recorder = RecordingProposer(e.llm.proposer)
+        e.loop.call(lambda llm: setattr(llm, "proposer", recorder))
+        out = e.generate({"prompt": "The little dog", "max_tokens": 40, "temperature": 0.8, "seed": 1,
+                          "response_format": {"type": "regex", "regex": "[a-z ]+\\."}})
+        assert out["text"][-1] == "." and recorder.calls
+        assert all(p.q is None for _, p in recorder.calls)
+
+
 def test_adaptive_lookahead_stops_drafting_with_a_draft_that_is_always_wrong(greedy_runs, random_draft):
     with zllm.Engine.from_config(_config(random_draft, k=4, adaptive=True)) as e:
         assert e.generate(_greedy(PROMPTS[0], 96))["token_ids"][:64] == greedy_runs[PROMPTS[0]]

@@ -13,6 +13,13 @@ Greedy rows propose the draft's argmax (after the request's penalties); sampled 
 from the draft's distribution after the request's sampling settings, which they return as
 :attr:`Proposal.q`, with a generator of their own seeded from the sequence's seed, so a
 seeded request stays reproducible and the target's generator sees only the target's draws.
+
+A sequence under a grammar gets no ``q``: the runtime cuts its proposal before the first
+token the grammar forbids, and then takes the next token from ``p`` rather than from the
+residual ``norm(max(0, p - q))`` a rejection would use, which is only exact when the
+proposal is verified as one-hot (a proposal drawn independently of the target's randomness
+and verified as one-hot keeps every token distributed as ``p``; ``q`` only raises the
+acceptance rate).
 """
 
 from __future__ import annotations
@@ -85,7 +92,7 @@ class DraftProposer:
             assert out.probs is not None
             for row, (i, token) in enumerate(zip(order, out.token_ids.tolist(), strict=True)):
                 drafts[i].append(token)
-                if seqs[i].request.temperature >= GREEDY_BELOW:
+                if seqs[i].request.temperature >= GREEDY_BELOW and seqs[i].constraint is None:
                     qs[i].append(out.probs[row])
                 if len(drafts[i]) < ks[i]:
                     spans[i] = (spans[i][0], [token])
