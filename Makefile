@@ -16,7 +16,7 @@ GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backe
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-serve bench-speculative compat clean
+.PHONY: run test bench bench-serve bench-grammar bench-speculative compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ bench-speculative: $(VENV)/.installed-test
 BENCH_SERVE_ARGS ?=
 bench-serve: $(VENV)/.installed-test
 	$(BIN)/python bench/serve.py $(BENCH_SERVE_ARGS)
+
+BENCH_GRAMMAR_ARGS ?=
+bench-grammar: $(VENV)/.installed-test
+	$(BIN)/python bench/grammar.py $(BENCH_GRAMMAR_ARGS)
 
 compat: $(VENV)/.installed
 	$(BIN)/zllm compat --format md > COMPATIBILITY.md

@@ -56,6 +56,29 @@ def test_stop_string_spanning_tokens_ends_output_before_it(engine):
     assert text == out["text"] and stop not in text
 
 
+@pytest.mark.parametrize("stop", [" the", " the park", " park with"])
+def test_the_stop_string_that_ended_generation_is_reported_even_with_the_first_tokens_space(engine, stop):
+    # Greedy, " the park with her mom." follows; its first token is "▁the", whose space a
+    # decode of the output tokens alone drops: the engine reports the string it cut at.
+    request = {"prompt": "Lily went to", "max_tokens": 8, "temperature": 0}
+    whole = engine.generate(request)["text"]
+    assert whole.startswith(" the park with")
+    out = engine.generate({**request, "stop": ["zzz", stop]})
+    assert (out["text"], out["finish_reason"], out["stop_sequence"]) == (whole[: whole.index(stop)], "stop", stop)
+    text, _, final = _stream(engine, {**request, "stop": ["zzz", stop]})
+    assert (text, final["finish_reason"], final["stop_sequence"]) == (out["text"], "stop", stop)
+
+
+def test_no_stop_string_is_reported_when_length_eos_or_a_stop_token_ends_generation(engine):
+    first = engine.generate({"prompt": "", "max_tokens": 5})
+    assert (first["finish_reason"], first["stop_sequence"]) == ("length", None)
+    by_token = engine.generate({"prompt": "", "max_tokens": 50, "stop_token_ids": [first["token_ids"][3]],
+                                "stop": ["zzz"]})
+    assert (by_token["finish_reason"], by_token["stop_sequence"]) == ("stop", None)
+    by_eos = engine.generate({"prompt": "", "max_tokens": 400, "stop": ["zzz"]})
+    assert (by_eos["finish_reason"], by_eos["stop_sequence"]) == ("stop", None)
+
+
 def test_stop_string_prefix_that_never_completes_is_released(engine):
     out = engine.generate({"prompt": "", "max_tokens": 30, "stop": ["little boy"]})
     assert out["finish_reason"] == "length"

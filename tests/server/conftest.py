@@ -108,12 +108,12 @@ def start_server(tmp_path: Path, model_dir: Path, **sections) -> Server:
     return Server(config, name, tmp_path / "server.log")
 
 
-def chat_model_dir(dst: Path) -> Path:
+def chat_model_dir(dst: Path, template: str = CHAT_TEMPLATE) -> Path:
     """A copy of the stories260K HF checkpoint whose tokenizer_config has a chat template."""
     shutil.copytree(MODEL_DIR / "hf", dst)
     cfg_path = dst / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return dst
 

@@ -114,3 +114,13 @@ def test_sampling_fields_via_extra_body(client, chat_server):
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model=chat_server.model, max_tokens=16, messages=USER, extra_body={"top_p": 0})
     assert "top_p" in info.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "user", "content": []}])
+def test_missing_null_or_empty_content_is_400_naming_it(chat_server, message):
+    r = httpx.post(f"{chat_server.url}/v1/messages", timeout=60,
+                   json={"model": chat_server.model, "max_tokens": 4, "messages": [message]})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["message"].startswith("messages[0].content:")
+    assert chat_server.healthy()

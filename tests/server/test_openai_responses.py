@@ -107,3 +107,16 @@ def test_bad_fields_are_400_naming_the_field(client, chat_server, kw, param):
         client.responses.create(**args)
     assert info.value.body["param"] == param
     assert param.split(".")[0] in info.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("input_", "param"),
+    [("", "input"), ([{"role": "user", "content": []}], "input[0].content"),
+     ([{"role": "user", "content": "Hi"}, {"type": "message", "role": "assistant", "content": []}],
+      "input[1].content")],
+)
+def test_empty_input_or_message_content_is_400_naming_it(client, chat_server, input_, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=chat_server.model, input=input_, max_output_tokens=4)
+    assert info.value.body["param"] == param and info.value.body["message"].startswith(param + ":")
+    assert chat_server.healthy()

@@ -247,6 +247,7 @@ def test_make_response() -> None:
         "text": "Hello",
         "token_ids": [9, 10],
         "finish_reason": "length",
+        "stop_sequence": None,
         "content": "Hello",
         "reasoning_content": "",
         "tool_calls": [],
@@ -285,9 +286,27 @@ def test_stream_events() -> None:
     assert final == {
         "type": "final",
         "finish_reason": "stop",
+        "stop_sequence": None,
         "content": "Hello",
         "reasoning_content": "",
         "tool_calls": [],
         "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "cached_tokens": 0},
     }
     assert json.loads(json.dumps([*deltas, final])) == [*deltas, final]
+
+
+def test_the_stop_string_that_ended_generation_is_in_the_result_and_the_final_event() -> None:
+    resp = make_response("Hel", (9,), "stop", 1, 1, 0, stop_sequence="lo")
+    final = make_final_event("stop", 1, 1, 0, content="Hel", stop_sequence="lo")
+    assert resp["stop_sequence"] == final["stop_sequence"] == "lo"
+
+
+def test_a_schema_seen_before_is_judged_as_the_first_time():
+    from zllm.spec.request import check_json_schema
+
+    bad = {"type": "object", "properties": {"n": {"type": "integr"}}}
+    for _ in range(2):  # the second answer comes from the cache of checked schemas
+        with pytest.raises(RequestError, match=r"is not a valid JSON schema") as info:
+            check_json_schema(bad, "response_format.json_schema.schema")
+        assert info.value.field == "response_format.json_schema.schema.properties.n.type"
+    check_json_schema({"type": "object", "properties": {"n": {"type": "integer"}}}, "x")

@@ -12,9 +12,12 @@ its ``G`` query heads together (GQA, Ainslie et al. 2023: query head ``h`` reads
 sees keys ``L - W .. L - 1``, and no block before the window's first is read (freed, -1).
 
 A call writes the new ``k``/``v`` of every token into the caches natively (converted to the
-cache's type exactly as ``Tensor.to``), then runs every decode row (``Q == 1``) in one native
-call over all sequences; the prefill sequences (``Q > 1``) go to the torch kernels of
-:mod:`.attention`, which write their own tokens again (the same values) before attending.
+cache's type exactly as ``Tensor.to``), then runs every decode row in one native call over all
+sequences. A sequence of at most :data:`NATIVE_QUERY_ROWS` query tokens (a decode, a
+speculative verify step's ``K + 1`` rows, a short prefill chunk) is decode rows: its query
+``j`` of ``Q`` is a decode row over the first ``L - Q + 1 + j`` keys, computed exactly as a
+one-token decode at that position would be. Longer prefill sequences go to the torch kernels
+of :mod:`.attention`, which write their own tokens again (the same values) before attending.
 Caches of another dtype, or not contiguous, take the torch kernels for the whole call.
 
 Numerics: f32 throughout; the exp is within 1 ulp, the softmax is the f32 reference's
@@ -33,6 +36,11 @@ import torch
 from zllm.plugin_api import AttentionMetadata
 from zllm_backend_cpu.kernels import attention as torch_attention
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
+
+NATIVE_QUERY_ROWS = 16
+"""Sequences with up to this many query tokens in a step attend natively, one decode row per
+token (the verify rows of speculative decoding); a longer chunk's rows are a batched matmul
+in torch, faster than that many decode rows."""
 
 # zllm_kv_write_<c>(k, k_ts, k_hs, v, v_ts, v_hs, slots, T, Hkv, D, k_cache, v_cache, NB * BS, threads)
 _WRITE_ARGTYPES = (P, I64, I64, P, I64, I64, P, I64, I64, I64, P, P, I64, INT)
@@ -109,7 +117,7 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
     n, info, prefill = decode_plan(meta, t)
     if n:
         ptr = info.buffer_info()[0]
-        if n == t:  # every row decodes: row r is sequence r, info holds the context lengths
+        if len(meta.query_lens) == t:  # one row per sequence: row r is sequence r; info: the context lengths
             rows = seqs = None
         else:
             rows, seqs, ptr = ptr, ptr + 8 * n, ptr + 16 * n
@@ -148,8 +156,9 @@ def decode_plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]
 
 def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
     """``(S', info, prefill)``: the decode rows' count, ``info`` int64 — the context lengths when
-    every row decodes (``S' == T``), else ``[3 S']`` q rows, sequences, context lengths — and the
-    prefill sequences. Remembered for ``meta``."""
+    every sequence has one query row (``S == T``), else ``[3 S']`` q rows, sequences, context
+    lengths — and the prefill sequences (more than :data:`NATIVE_QUERY_ROWS` query rows).
+    Remembered for ``meta``."""
     global _last_plan
     query_lens, context_lens = meta.query_lens, meta.context_lens
     assert len(context_lens) == len(query_lens) and sum(query_lens) == t, meta
@@ -163,10 +172,10 @@ def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
         prefill: list[int] = []
         start = 0
         for s, n_q in enumerate(query_lens):
-            if n_q == 1:
-                rows.append(start)
-                seqs.append(s)
-                lens.append(context_lens[s])
+            if n_q <= NATIVE_QUERY_ROWS:
+                rows += range(start, start + n_q)
+                seqs += [s] * n_q
+                lens += range(context_lens[s] - n_q + 1, context_lens[s] + 1)
             else:
                 prefill.append(s)
             start += n_q

@@ -13,9 +13,11 @@ latent rows where they lie in their blocks (MQA: one ``W``-wide key per token fo
 heads, its first ``R`` values the value), and the attended latent goes out through ``W_UV``.
 
 A call writes the new latent rows of every token into the cache natively (converted to the
-cache's type exactly as ``Tensor.to``), then runs every decode row (``Q == 1``) in one native
-call; the prefill sequences (``Q > 1``) go to the torch kernel of :mod:`.mla` (the expanded
-form), which writes their rows again (the same values) before attending. Caches of another
+cache's type exactly as ``Tensor.to``), then runs every decode row in one native call — a
+sequence of at most ``NATIVE_QUERY_ROWS`` query tokens is decode rows, as in
+:mod:`.paged_attention` (whose plan this kernel reads); longer prefill sequences go to the
+torch kernel of :mod:`.mla` (the expanded form), which writes their rows again (the same
+values) before attending. Caches of another
 dtype, or not contiguous, take the torch kernel for the whole call.
 
 ``W_UK`` f32 ``[H, Dn, R]`` and ``W_UV`` transposed, f32 ``[H, R, Dv]``, are split out of
@@ -160,7 +162,7 @@ def mla_attention(
     if n:
         w_uk, w_uv_t = absorbed_weights(kv_b_proj, h, dn, dv, r)
         ptr = info.buffer_info()[0]
-        if n == t:  # every row decodes: row i is sequence i, info holds the context lengths
+        if len(meta.query_lens) == t:  # one row per sequence: row i is sequence i; info: the context lengths
             rows = seqs = None
         else:
             rows, seqs, ptr = ptr, ptr + 8 * n, ptr + 16 * n

@@ -94,7 +94,14 @@ def model_kv_spec(model: Any) -> KVCacheSpec:
 
 
 class Model(Protocol):
-    """A built model. ``forward`` runs one batch of a Prefill or a Decode Round."""
+    """A built model. ``forward`` runs one batch of a Prefill or a Decode Round.
+
+    A model that can propose its own continuations for speculative decoding (``speculative:
+    {method: mtp}``) also has an ``mtp`` attribute, a :class:`MultiTokenPredictor` (None when
+    its checkpoint carries no such layers; see :func:`model_mtp`), and its ``forward`` takes
+    ``return_hidden=True``: it then returns ``(logits, hidden)``, ``hidden`` the ``[T, C]``
+    vectors its output head maps to logits (every row, not only ``logits_indices``).
+    """
 
     vocab_size: int
     context_length: int
@@ -122,6 +129,46 @@ class Model(Protocol):
             f32 ``[S', V]``.
         """
         ...
+
+
+class MultiTokenPredictor(Protocol):
+    """A model's multi-token-prediction layer (DeepSeek-V3's MTP module, arXiv:2412.19437
+    §2.2): from the target's hidden state at position ``i`` and the token at ``i + 1`` it
+    predicts the token at ``i + 2``, attending over its own paged KV cache of earlier such
+    rows. The runtime drives it (:class:`zllm.runtime.mtp.MtpProposer`).
+
+    Attributes:
+        kv_spec: the layers of its own KV cache (as ``Model.kv_spec``).
+    """
+
+    kv_spec: KVCacheSpec
+
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, ...]],
+                rows: torch.Tensor) -> torch.Tensor:
+        """The layer's output hidden states at ``rows``.
+
+        Args:
+            token_ids: int64 ``[T]``, the token after each row's position.
+            hidden: ``[T, C]``, the target's hidden state at each position (``Model.forward``
+                with ``return_hidden``), or this layer's own output when it is applied again.
+            positions, meta, kv_caches: as for ``Model.forward``, over its own cache.
+            rows: int64 ``[S']``, which of the ``T`` rows to return.
+
+        Returns:
+            ``[S', C]``: input to :meth:`logits`, and the ``hidden`` of the next application.
+        """
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """f32 ``[S, V]`` logits of the token each ``[S, C]`` output row predicts."""
+        ...
+
+
+def model_mtp(model: Any) -> MultiTokenPredictor | None:
+    """The model's multi-token-prediction layer, or None when it has none (a family without
+    MTP, or a checkpoint saved without its nextn layers)."""
+    return getattr(model, "mtp", None)
 
 
 class ModelFamily(Protocol):

@@ -10,6 +10,7 @@ engine at once, and their requests share every step.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
@@ -18,7 +19,7 @@ from typing import Any, cast
 
 import attrs
 
-from zllm.domain.family import Model, model_kv_spec
+from zllm.domain.family import Model, model_kv_spec, model_mtp
 from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoning
 from zllm.engine.draft import load_draft
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
@@ -28,10 +29,11 @@ from zllm.engine.tool_parsers import resolve_format
 from zllm.plugins.host import PluginHost
 from zllm.runtime.kv_cache import PagedKVCache
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
+from zllm.runtime.mtp import MtpProposer
 from zllm.runtime.scheduler import EXPIRED_RUNNING, EXPIRED_WAITING
 from zllm.runtime.sequence import Sequence, TokenConstraint
 from zllm.runtime.speculative import NgramProposer, Proposer
-from zllm.spec.config import ZllmConfig, config_from_dict, load_config
+from zllm.spec.config import SPECULATIVE_METHODS, ZllmConfig, config_from_dict, load_config
 from zllm.spec.errors import ConfigError, DeadlineExceeded, RequestError
 from zllm.spec.request import (
     FinishReason,
@@ -55,6 +57,8 @@ def make_proposer(loaded: LoadedModel, host: PluginHost) -> Proposer | None:
     """The proposer ``speculative.method`` names, or None when speculation is off.
 
     Raises:
+        ConfigError: (``speculative.method``) ``mtp`` for a checkpoint without
+            multi-token-prediction layers; names the checkpoint.
         ZllmError subclasses: a draft model that cannot serve the target
             (:func:`zllm.engine.draft.load_draft`).
     """
@@ -63,8 +67,32 @@ def make_proposer(loaded: LoadedModel, host: PluginHost) -> Proposer | None:
         return None
     if cfg.method == "draft":
         return load_draft(loaded, host, min(cast(Model, loaded.model).vocab_size, loaded.tokenizer.vocab_size))
+    if cfg.method == "mtp":
+        return _mtp_proposer(loaded)
     assert cfg.method == "ngram", cfg.method  # the config contract admits only implemented methods
     return NgramProposer(cfg.ngram.min_n, cfg.ngram.max_n)
+
+
+def _mtp_proposer(loaded: LoadedModel) -> MtpProposer:
+    """The target's own MTP layer as proposer, over a cache of its own with as many blocks as
+    the target's plus each sequence's lookahead, so it never runs out before the target does."""
+    mtp = model_mtp(loaded.model)
+    if mtp is None:
+        others = ", ".join(m for m in SPECULATIVE_METHODS if m != "mtp")
+        raise ConfigError(
+            "speculative.method",
+            f"mtp needs a checkpoint with multi-token-prediction layers, and {loaded.checkpoint.path} "
+            f"({loaded.family_info.name}, model_type {loaded.checkpoint.config.get('model_type')!r}) has none "
+            f"(DeepSeek-V3 keeps them as model.layers.<num_hidden_layers>.* with num_nextn_predict_layers > 0; "
+            f"checkpoints saved by transformers drop them); use one of: {others}",
+        )
+    cfg = loaded.config
+    block_size = cfg.runtime.kv_cache.block_size
+    per_seq = math.ceil((cfg.speculative.num_tokens + 1) / block_size) + 1
+    kv = PagedKVCache(mtp.kv_spec, loaded.kv_num_blocks + cfg.runtime.max_num_seqs * per_seq, block_size,
+                      dtype=kv_cache_dtype(cfg), device=loaded.backend.device)
+    model = cast(Model, loaded.model)
+    return MtpProposer(mtp, kv, loaded.backend.device, min(model.vocab_size, loaded.tokenizer.vocab_size))
 
 
 class Engine:
@@ -306,7 +334,8 @@ class Engine:
         assert seq is not None
         return make_response(text, list(seq.output_ids), answer.finish_reason(_finish_reason(seq)),
                              handle.prompt_tokens, len(seq.output_ids), seq.cached_tokens, **answer.whole(),
-                             logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]))
+                             logprobs=self._logprobs(seq, [e for out in outputs for e in out.logprobs]),
+                             stop_sequence=seq.stop_matcher.matched)
 
 
 @attrs.frozen
@@ -416,7 +445,8 @@ def _step_events(out: StepOutput, answer: ChatAnswer,
         if last["content"] or last["reasoning_content"] or last["tool_calls"]:
             events.append(make_delta_event("", [], **last, logprobs=logprobs(seq, ())))
         events.append(make_final_event(answer.finish_reason(_finish_reason(seq)), len(seq.prompt_ids),
-                                       len(seq.output_ids), seq.cached_tokens, **answer.whole()))
+                                       len(seq.output_ids), seq.cached_tokens, **answer.whole(),
+                                       stop_sequence=seq.stop_matcher.matched))
     return events
 
 

@@ -18,7 +18,7 @@ from zllm.runtime.runner import ModelRunner, Sampled
 from zllm.runtime.sampler import TokenLogprob, allows
 from zllm.runtime.scheduler import ScheduledStep, Scheduler
 from zllm.runtime.sequence import Sequence, TokenConstraint
-from zllm.runtime.speculative import Lookahead, Proposer, SpecStats
+from zllm.runtime.speculative import HiddenStateProposer, Lookahead, Proposer, SpecStats
 from zllm.spec.errors import ContextLengthError, RequestError
 from zllm.spec.request import GenerationRequest
 from zllm.tokenizer import IncrementalDetokenizer
@@ -148,11 +148,15 @@ class LLMEngine:
             return outputs
         if self.proposer is not None and scheduled.num_decodes:
             scheduled = self._propose(scheduled)
+        observer = self.proposer if isinstance(self.proposer, HiddenStateProposer) else None
+        self.runner.keep_hidden = observer is not None
         now = time.perf_counter()
         for sampled in self.runner.execute(scheduled):
             if sampled.seq.first_token_time is None:
                 sampled.seq.first_token_time = now
             outputs.append(self._accept(sampled))
+        if observer is not None:
+            observer.observe(self.runner.hidden_rows)
         return outputs
 
     def abort(self, seq: Sequence) -> None:
@@ -233,10 +237,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, text: str, token_ids: tuple[int, ...],
                 logprobs: tuple[TokenLogprob, ...] = (), flush: bool = True) -> StepOutput:
         """End ``seq``. Unless a stop string ended it, release what was held back: an
-        incomplete UTF-8 tail and a tail that only looked like the start of a stop string."""
+        incomplete UTF-8 tail and a tail that only looked like the start of a stop string
+        (a stop string completed by that tail ends it as ``stop``)."""
         if flush:
             tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
             text += tail if stopped else tail + seq.stop_matcher.flush()
+            reason = "stop" if stopped else reason
         seq.finish_reason = reason
         if seq.kv.num_tokens > seq.num_tokens:  # a verify step ended inside its accepted run
             self.scheduler.kv.truncate(seq.kv, seq.num_tokens)

@@ -27,7 +27,7 @@ from zllm.runtime.kv_cache import PagedKVCache, SeqKV
 from zllm.runtime.sampler import Sampler, TokenLogprob, token_logprobs
 from zllm.runtime.scheduler import ScheduledStep
 from zllm.runtime.sequence import Sequence
-from zllm.runtime.speculative import Proposal, verify
+from zllm.runtime.speculative import HiddenRows, Proposal, verify
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -84,6 +84,11 @@ class ModelRunner:
         self.sample_width = sample_width
         self.scale = kv.spec.attention_scale  # the family's, not derived from a cached width
         self.sampler = Sampler(batch_invariant=batch_invariant)
+        self.keep_hidden = False
+        """Run the model with ``return_hidden=True`` and keep each step's :attr:`hidden_rows`
+        (set when the proposer reads hidden states, :class:`HiddenStateProposer`)."""
+        self.hidden_rows: list[HiddenRows] = []
+        """The last step's kept hidden rows per sequence, when :attr:`keep_hidden`."""
 
     def execute(self, step: ScheduledStep) -> list[Sampled]:
         """Compute the step's tokens; return one :class:`Sampled` for every sequence whose
@@ -103,10 +108,12 @@ class ModelRunner:
         logits_rows: list[int] = []
         verifying: list[tuple[Sequence, Proposal, int]] = []  # (seq, proposal, KV length before it)
         verify_rows: list[int] = []
+        spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, first position, new tokens)
         for i, (seq, n) in enumerate(step.items):
             proposal = step.lookahead[i] if step.lookahead else None
             draft = proposal.tokens if proposal is not None else []
             start = seq.num_computed
+            spans.append((seq, len(ids), start, n))
             ids += seq.token_span(start, start + n) + draft
             m = n + len(draft)
             positions += range(start, start + m)
@@ -119,13 +126,18 @@ class ModelRunner:
                 sampling.append(seq)
                 logits_rows.append(len(ids) - 1)
         with torch.inference_mode():
-            logits = self._forward(ids, positions, slots, [s.kv for s, _ in step.items], tuple(query_lens),
-                                   logits_rows + verify_rows)  # [S' + sum(k + 1), V]
+            out = self._forward(ids, positions, slots, [s.kv for s, _ in step.items], tuple(query_lens),
+                                logits_rows + verify_rows, return_hidden=self.keep_hidden)
+            logits, hidden = out if self.keep_hidden else (out, None)  # [S' + sum(k + 1), V], [T, C]
             if self.sample_width is not None and logits.shape[1] > self.sample_width:
                 logits = logits[:, : self.sample_width]  # a view: padded columns are never candidates
             results = self._sample(logits[: len(sampling)], sampling) if sampling else []
             if verifying:
                 results += self._verify(logits[len(sampling):], verifying)
+        if hidden is not None:
+            accepted = {r.seq.seq_id: len(r.token_ids) - 1 for r in results if r.proposed}
+            self.hidden_rows = [HiddenRows(seq, start, hidden[row: row + n + accepted.get(seq.seq_id, 0)])
+                                for seq, row, start, n in spans]
         return results
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[Sampled]:
@@ -227,8 +239,9 @@ class ModelRunner:
         return logits if self.sample_width is None else logits[:, : self.sample_width]
 
     def _forward(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[SeqKV],
-                 query_lens: tuple[int, ...], logits_rows: list[int]) -> torch.Tensor:
-        """One model forward over a flattened batch whose slots are already reserved."""
+                 query_lens: tuple[int, ...], logits_rows: list[int], return_hidden: bool = False):
+        """One model forward over a flattened batch whose slots are already reserved: the
+        logits, or with ``return_hidden`` the pair ``(logits, hidden [T, C])``."""
         t, r = len(ids), len(logits_rows)
         table, width = self.kv.block_table_rows(seqs)  # S * MB ids
         # One host list -> one int64 tensor: [ids T | positions T | slots T | logits rows S' | block table S*MB].
@@ -240,6 +253,9 @@ class ModelRunner:
             context_lens=tuple(s.num_tokens for s in seqs),
             scale=self.scale,
         )
+        if return_hidden:
+            return self.model.forward(packed[:t], packed[t: 2 * t], meta, self.kv.layers, packed[3 * t: 3 * t + r],
+                                      return_hidden=True)
         return self.model.forward(packed[:t], packed[t: 2 * t], meta, self.kv.layers, packed[3 * t: 3 * t + r])
 
     def sampling_row(self, seq: Sequence, lookahead: tuple[int, ...] = (),

@@ -132,17 +132,17 @@ def _token_matrix(ids: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Te
 
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A packed token bitmask -> bool ``[V]``: int32 ``[W]``, bit ``j`` of word ``i`` allows
-    token ``32 * i + j`` (xgrammar's and llguidance's layout).
+    """Packed token bitmasks -> bool ``[..., V]``: int32 ``[..., W]``, bit ``j`` of word ``i``
+    allows token ``32 * i + j`` (xgrammar's and llguidance's layout).
 
     Raises:
-        ValueError: ``words`` is not int32 ``[ceil(V / 32)]``.
+        ValueError: ``words`` is not int32 with a last dimension of ``ceil(V / 32)``.
     """
-    if words.dtype != torch.int32 or words.shape != ((vocab + 31) // 32,):
+    if words.dtype != torch.int32 or words.dim() == 0 or words.shape[-1] != (vocab + 31) // 32:
         raise ValueError(f"a packed logits mask must be int32 [{(vocab + 31) // 32}] for {vocab} logits, "
                          f"got {words.dtype} {list(words.shape)}")
     bits = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words[:, None] >> bits) & 1).bool().flatten()[:vocab]  # [W * 32] -> [V]
+    return ((words[..., None] >> bits) & 1).bool().flatten(-2)[..., :vocab]  # [..., W * 32] -> [..., V]
 
 
 def allows(mask: torch.Tensor, token_id: int) -> bool:
@@ -158,26 +158,30 @@ def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch
 
     ``masks[s]`` is None (row ``s`` unconstrained), bool ``[V]`` (True = allowed) or a packed
     int32 ``[W]`` bitmask (:func:`unpack_bitmask`), sized to the logits' width ``V`` — a
-    padded vocabulary's extra columns included — on the logits' device.
+    padded vocabulary's extra columns included — on the logits' device. The packed masks of
+    a step are unpacked together, in one set of tensor ops.
 
     Raises:
         ValueError: a mask of the wrong dtype or size (names the row), or one that allows no
             token (a grammar with no way on; sampling it would be undefined).
     """
     vocab = logits.shape[1]
+    words = (vocab + 31) // 32
     allowed = torch.ones_like(logits, dtype=torch.bool)  # [S, V]
+    packed_rows, packed = [], []
     for s, mask in enumerate(masks):
         if mask is None:
             continue
-        if mask.dtype == torch.int32:
-            try:
-                mask = unpack_bitmask(mask, vocab)
-            except ValueError as exc:
-                raise ValueError(f"row {s}: {exc}") from None
-        if mask.dtype != torch.bool or mask.shape != (vocab,):
+        if mask.dtype == torch.int32 and mask.shape == (words,):
+            packed_rows.append(s)
+            packed.append(mask)
+        elif mask.dtype == torch.bool and mask.shape == (vocab,):
+            allowed[s] = mask
+        else:
             raise ValueError(f"row {s}: a logits mask must be bool [{vocab}] (the logits' width) or a packed int32 "
-                             f"bitmask, got {mask.dtype} {list(mask.shape)}")
-        allowed[s] = mask
+                             f"bitmask [{words}], got {mask.dtype} {list(mask.shape)}")
+    if packed:
+        allowed[torch.tensor(packed_rows, device=logits.device)] = unpack_bitmask(torch.stack(packed), vocab)
     if not bool(allowed.any(dim=-1).all()):
         empty = [s for s in range(len(masks)) if not bool(allowed[s].any())]
         raise ValueError(f"row {empty[0]}: the logits mask allows no token")

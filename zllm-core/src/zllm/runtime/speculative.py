@@ -21,12 +21,17 @@ batch-invariant mode makes them bit-identical).
 
 :class:`Lookahead` adapts ``k`` per sequence from its measured acceptance, down to no
 speculation with an occasional probe, so a proposer that keeps failing costs little.
+
+Proposers: :class:`NgramProposer` (``speculative.method: ngram``), and
+:class:`zllm.runtime.mtp.MtpProposer` (``mtp``): the checkpoint's own multi-token-prediction
+layer (DeepSeek-V3's nextn layer), a :class:`HiddenStateProposer` that reads the target's
+hidden states after every step and keeps its own paged cache in step with the target's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -66,6 +71,36 @@ class Proposer(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """``seq`` ended (finished, aborted or expired): drop what the proposer keeps for it."""
+        ...
+
+
+@attrs.frozen(eq=False)
+class HiddenRows:
+    """The target model's hidden states of one sequence's tokens that a step computed and
+    kept (a verify step's rejected rows are not among them).
+
+    Attributes:
+        seq: the sequence.
+        start: the position of the first row's token.
+        hidden: ``[r, C]`` the hidden state each of positions ``start .. start + r - 1``
+            produced: the vector the model's output head maps to the logits of the token
+            after it (``Model.forward(..., return_hidden=True)``), in the model's dtype.
+    """
+
+    seq: Sequence
+    start: int
+    hidden: torch.Tensor
+
+
+@runtime_checkable
+class HiddenStateProposer(Proposer, Protocol):
+    """A proposer that reads the target's hidden states (multi-token prediction): the engine
+    runs the model with ``return_hidden=True`` and hands it every step's kept rows."""
+
+    def observe(self, rows: Seq[HiddenRows]) -> None:
+        """After a step's tokens are accepted: the kept rows of every sequence the step
+        computed (prefill chunks included). A sequence that finished in the step was already
+        released; its rows are among them and are to be ignored."""
         ...
 
 

@@ -2,7 +2,9 @@
 
 Text arrives as detokenized deltas. A tail that could still grow into a stop string is held
 back until it cannot (or until the sequence ends), so a streamed client never sees part of
-a stop string.
+a stop string. The matcher remembers which stop string it cut at: the text it saw holds it,
+while decoding the output's tokens afresh may not (a SentencePiece decode drops the leading
+space of the first token, so a stop string starting with that space is not in it).
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ class StopStringMatcher:
 
     Args:
         stops: the stop strings (non-empty).
+
+    Attributes:
+        matched: the stop string that ended the text, None until one did. Of stop strings
+            found at once, the one that starts first; of those, the longest.
     """
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self._pending = ""
+        self.matched: str | None = None
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add ``delta``; return ``(text safe to release, stopped)``.
@@ -29,10 +36,11 @@ class StopStringMatcher:
         if not self.stops:
             self._pending = ""
             return text, False
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s), s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            start, _, self.matched = min(hits)
             self._pending = ""
-            return text[: min(hits)], True
+            return text[:start], True
         hold = self._held_suffix_len(text)
         self._pending = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold], False

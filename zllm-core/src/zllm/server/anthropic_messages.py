@@ -21,7 +21,7 @@ from fastapi import APIRouter
 from pydantic import Field
 from starlette.requests import Request
 
-from zllm.server.common import StrictModel, new_id, reject_if, sse, sse_response, state, stop_sequence_matched
+from zllm.server.common import StrictModel, new_id, reject_if, sse, sse_response, state
 from zllm.server.errors import ApiError
 from zllm.server.generation import EngineStream, run_to_end
 from zllm.server.tokens import prompt_ids
@@ -281,12 +281,16 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _stop_reason(finish_reason: str, stop_sequence: str | None) -> str:
-    if finish_reason == "length":
-        return "max_tokens"
-    if finish_reason == "tool_calls":
-        return "tool_use"
-    return "stop_sequence" if stop_sequence is not None else "end_turn"
+def _stop(final: dict[str, Any]) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` from the engine's final event: the stop string
+    the engine cut the text at, never one re-found in the decoded tokens."""
+    reason = final["finish_reason"]
+    if reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if reason == "tool_calls":
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    matched = final["stop_sequence"]
+    return {"stop_reason": "end_turn" if matched is None else "stop_sequence", "stop_sequence": matched}
 
 
 @router.post("/v1/messages")
@@ -295,21 +299,16 @@ async def messages(body: MessagesRequest, request: Request):
     st.check_model(body.model)
     stream = await EngineStream.open(st, request, engine_request(body), RENAMES)
     mid = new_id("msg_")
-    stops = body.stop_sequences or []
 
     if not body.stream:
-        text, final = await run_to_end(stream, request)
-        matched = stop_sequence_matched(st.engine, stops, text, stream.token_ids) \
-            if final["finish_reason"] == "stop" else None
+        _, final = await run_to_end(stream, request)
         u = final["usage"]
         return {"id": mid, "type": "message", "role": "assistant", "model": body.model,
-                "content": content_blocks(final),
-                "stop_reason": _stop_reason(final["finish_reason"], matched), "stop_sequence": matched,
+                "content": content_blocks(final), **_stop(final),
                 "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                           "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}}
 
     async def events():
-        parts: list[str] = []
         start = {"id": mid, "type": "message", "role": "assistant", "model": body.model, "content": [],
                  "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": 0, "output_tokens": 0}}
@@ -323,19 +322,13 @@ async def messages(body: MessagesRequest, request: Request):
                 start["usage"]["input_tokens"] = stream.prompt_tokens
                 yield sse({"type": "message_start", "message": start}, "message_start")
             if event["type"] == "delta":
-                parts.append(event["text"])
                 for out in blocks.delta(event):
                     yield out
                 continue
-            text = "".join(parts)
-            matched = stop_sequence_matched(st.engine, stops, text, stream.token_ids) \
-                if event["finish_reason"] == "stop" else None
             u = event["usage"]
             for out in blocks.close(last=True):
                 yield out
-            yield sse({"type": "message_delta",
-                       "delta": {"stop_reason": _stop_reason(event["finish_reason"], matched),
-                                 "stop_sequence": matched},
+            yield sse({"type": "message_delta", "delta": _stop(event),
                        "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}},
                       "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")

@@ -175,23 +175,6 @@ def sse_response(body: AsyncGenerator[str, None], streams: Sequence[EngineStream
     )
 
 
-def stop_sequence_matched(engine, stop: list[str], text: str, token_ids: list[int]) -> str | None:
-    """Which stop string ended a generation whose finish reason is ``stop``, or None when
-    EOS or a stop token did. The engine holds a matched stop string back from ``text``
-    while its tokens stay in ``token_ids``, so the first stop string in the decoded tokens
-    at or after the end of ``text`` is the one."""
-    if not stop:
-        return None
-    decoded = engine.tokenizer.decode(token_ids)
-    start = max(0, len(text) - max(len(s) for s in stop) - 1)
-    best: tuple[int, int, str] | None = None
-    for s in stop:
-        i = decoded.find(s, start)
-        if i >= 0 and (best is None or (i, -len(s)) < best[:2]):
-            best = (i, -len(s), s)
-    return best[2] if best else None
-
-
 def openai_usage(finals: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """OpenAI's ``usage`` object (Chat and Completions) from the engine's final events of a
     request's choices: completion tokens summed over them, the prompt counted once (as OpenAI

@@ -90,7 +90,6 @@ class EngineStream:
         self._t_last_token: float | None = None
         self.final: dict[str, Any] | None = None
         self.prompt_tokens = 0
-        self.token_ids: list[int] = []
 
     @classmethod
     async def open(cls, st: ServerState, http_request: Request, request: dict[str, Any],
@@ -149,7 +148,6 @@ class EngineStream:
             else:
                 self._metrics.itl.observe(now - self._t_last_token)
             self._t_last_token = now
-            self.token_ids.extend(event["token_ids"])
 
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """Every event, the ``final`` one last. The stream is closed when this ends,

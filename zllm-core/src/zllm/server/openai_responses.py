@@ -173,7 +173,12 @@ def _text(content: str | list[InputText]) -> str:
 def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation this request continues (no instructions): history, then ``input``;
     ``function_call`` items join the assistant message before them as its ``tool_calls``, each
-    ``function_call_output`` is a ``tool`` message."""
+    ``function_call_output`` is a ``tool`` message.
+
+    Raises:
+        ApiError: 400 naming ``input`` when it is an empty string or list, or
+            ``input[i].content`` when a message's content is an empty list.
+    """
     if isinstance(body.input, str):
         if not body.input:
             raise ApiError(400, "input: is an empty string; send text or input items", param="input",
@@ -182,7 +187,10 @@ def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[
     if not body.input:
         raise ApiError(400, "input: must hold at least one message item", param="input", code="invalid_value")
     items: list[dict[str, Any]] = []
-    for m in body.input:
+    for i, m in enumerate(body.input):
+        if isinstance(m, InputMessage) and m.content == []:
+            raise ApiError(400, f"input[{i}].content: is an empty list; send text or input_text parts",
+                           param=f"input[{i}].content", code="invalid_value")
         if isinstance(m, FunctionCallItem):
             call = {"id": m.call_id, "type": "function", "function": {"name": m.name, "arguments": m.arguments}}
             last = items[-1] if items else None

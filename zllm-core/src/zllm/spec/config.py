@@ -357,7 +357,7 @@ class GenerationDefaults:
     add_bos: bool | None = _config_field(OPTIONAL_BOOL, None)
 
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft", "mtp")
 """Proposers of speculative decoding (zllm.runtime.speculative)."""
 
 
@@ -415,7 +415,9 @@ class SpeculativeConfig:
 
     Attributes:
         method: the proposer: ``ngram`` (the sequence's own earlier tokens), ``draft`` (a
-            smaller model, ``draft.model``), or ``None`` (default) for no speculation.
+            smaller model, ``draft.model``), ``mtp`` (the checkpoint's own
+            multi-token-prediction layer, DeepSeek-V3's nextn layer), or ``None`` (default)
+            for no speculation.
         num_tokens: the most tokens proposed per step, 1..16 (``K``).
         adaptive: adapt each sequence's ``K`` to its measured acceptance, down to none (with
             an occasional probe); ``false`` always proposes ``num_tokens``.

@@ -82,6 +82,7 @@ one :func:`make_final_event`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -373,14 +374,32 @@ def _to_response_format(v: Any) -> Any:
 
 def check_json_schema(schema: Mapping[str, Any], where: str) -> None:
     """Raise RequestError naming ``where`` when ``schema`` is not a valid JSON schema (its
-    draft's metaschema, via ``jsonschema``; draft 2020-12 when it names none)."""
+    draft's metaschema, via ``jsonschema``; draft 2020-12 when it names none). A schema seen
+    before is not checked again (a client sends the same schema with every request)."""
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON data: the metaschema check names what is wrong
+        text = None
+    problem = _schema_problem(text) if text is not None else _check_schema(schema)
+    if problem is not None:
+        at, message = problem
+        raise RequestError(f"{where}{at}", f"is not a valid JSON schema: {message}")
+
+
+@functools.lru_cache(maxsize=512)
+def _schema_problem(text: str) -> tuple[str, str] | None:
+    return _check_schema(json.loads(text))
+
+
+def _check_schema(schema: Any) -> tuple[str, str] | None:
+    """``(path below the schema, message)`` of its first metaschema violation, or None."""
     import jsonschema  # a well-kept validator; imported here, off the import path of the CLI
 
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
-        raise RequestError(f"{where}{at}", f"is not a valid JSON schema: {exc.message}") from None
+        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path), exc.message
+    return None
 
 
 def _short(v: Any) -> str:
@@ -576,6 +595,7 @@ def make_response(
     reasoning_content: str = "",
     tool_calls: Sequence[Mapping[str, str]] = (),
     logprobs: list[dict[str, Any]] | None = None,
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """The JSON result of a finished, non-streamed request.
 
@@ -592,16 +612,20 @@ def make_response(
         tool_calls: ``{"id", "name", "arguments"}`` per call, ``arguments`` JSON text.
         logprobs: :func:`make_logprobs` of every generated token, or None when the request
             did not ask for them.
+        stop_sequence: the request's ``stop`` string that ended generation, as matched in
+            the generated text; None when EOS, a stop token or the length limit did.
 
     Returns:
-        ``{"text", "token_ids", "finish_reason", "content", "reasoning_content", "tool_calls",
-        "logprobs", "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"}}``.
+        ``{"text", "token_ids", "finish_reason", "stop_sequence", "content", "reasoning_content",
+        "tool_calls", "logprobs", "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
+        "cached_tokens"}}``.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
         "text": text,
         "token_ids": list(token_ids),
         "finish_reason": finish_reason,
+        "stop_sequence": stop_sequence,
         **_answer(text, content, reasoning_content, tool_calls),
         "logprobs": logprobs,
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
@@ -633,18 +657,20 @@ def make_delta_event(text: str, token_ids: Sequence[int], *, content: str | None
 def make_final_event(
     finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *,
     content: str = "", reasoning_content: str = "", tool_calls: Sequence[Mapping[str, str]] = (),
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """The last event of a stream (arguments as in :func:`make_response`; ``content``,
     ``reasoning_content`` and ``tool_calls`` are the whole answer, as the deltas add up to).
 
     Returns:
-        ``{"type": "final", "finish_reason", "content", "reasoning_content", "tool_calls",
-        "usage": {...}}``, ``usage`` as in :func:`make_response`.
+        ``{"type": "final", "finish_reason", "stop_sequence", "content", "reasoning_content",
+        "tool_calls", "usage": {...}}``, ``usage`` as in :func:`make_response`.
     """
     assert finish_reason in FINISH_REASONS, finish_reason
     return {
         "type": "final",
         "finish_reason": finish_reason,
+        "stop_sequence": stop_sequence,
         **_answer(content, None, reasoning_content, tool_calls),
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }

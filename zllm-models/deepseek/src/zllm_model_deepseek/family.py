@@ -140,8 +140,12 @@ class DeepseekFamily:
             if spec.tie_word_embeddings
             else weight_formats.get("lm_head.weight", embed_fmt)
         )
-        decoder = [f"model.layers.{i}." for i in range(spec.num_layers)]
-        linear_fmts = {head_fmt} | {
+        # The MTP layers' tensors count when stored (weight_formats holds stored tensors only).
+        decoder = [f"model.layers.{i}." for i in range(spec.num_layers + spec.num_nextn_predict_layers)]
+        mtp_heads = {
+            fmt for name, fmt in weight_formats.items() if name.endswith("shared_head.head.weight")
+        }
+        linear_fmts = {head_fmt} | mtp_heads | {
             fmt
             for name, fmt in weight_formats.items()
             if any(name.startswith(p) for p in decoder)

@@ -18,6 +18,7 @@ import torch
 
 from zllm.plugin_api import (
     AttentionMetadata,
+    CheckpointError,
     KVCacheSpec,
     KVLayerSpec,
     KVTensor,
@@ -25,6 +26,7 @@ from zllm.plugin_api import (
     SharedExperts,
     rope_inv_freq,
 )
+from zllm_model_deepseek.mtp import DeepseekMtp, mtp_weights
 from zllm_model_deepseek.spec import DeepseekSpec
 
 
@@ -82,7 +84,10 @@ def _experts(w: dict[str, Any], p: str, spec: DeepseekSpec, proj: str) -> Any:
 
 
 def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:
+    """Layer ``i``'s weights; an MTP layer (``i >= num_layers``) is MoE when the model has a
+    router, as ``DeepseekFamily.tensor_specs`` reads it."""
     p = f"model.layers.{i}."
+    moe_layer = spec.moe_layers[i] if i < spec.num_layers else spec.router is not None
     a = p + "self_attn."
     fields: dict[str, Any] = dict(
         attn_norm=w[p + "input_layernorm.weight"],
@@ -99,7 +104,7 @@ def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:
         kv_a_bias=w.get(a + "kv_a_proj_with_mqa.bias"),
         o_bias=w.get(a + "o_proj.bias"),
     )
-    if not spec.moe_layers[i]:
+    if not moe_layer:
         return DeepseekLayer(
             **fields,
             gate=w[p + "mlp.gate_proj.weight"],
@@ -144,14 +149,23 @@ class DeepseekModel:
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
         self.layers = [_layer(weights, i, spec) for i in range(spec.num_layers)]
-        # MTP layers (num_nextn_predict_layers) stay loaded, unused, for speculative decoding.
-        mtp = tuple(
-            f"model.layers.{spec.num_layers + j}." for j in range(spec.num_nextn_predict_layers)
-        )
-        self.mtp_weights = {k: v for k, v in weights.items() if mtp and k.startswith(mtp)}
         # cos/sin rows over the decoupled rope dims [Dr/2], YaRN factor included.
         self.rope_table = RopeTable(*rope_inv_freq(m.qk_rope_head_dim, spec.rope), spec.context_length)
         self._rope = ops.variant("rope", spec.rope_variant)
+        self.mtp = self._mtp(weights)
+        """The first MTP layer as a speculative proposer, or None when the checkpoint stores
+        none (transformers drops them on save). Further nextn layers are loaded, not run:
+        the proposer applies the first one recursively (:mod:`zllm.runtime.mtp`)."""
+
+    def _mtp(self, weights: dict[str, Any]) -> DeepseekMtp | None:
+        p = f"model.layers.{self.spec.num_layers}."
+        if not any(k.startswith(p) for k in weights):
+            return None
+        try:
+            layer = _layer(weights, self.spec.num_layers, self.spec)
+        except KeyError as e:
+            raise CheckpointError(p.rstrip("."), f"the MTP layer lacks {e.args[0]!r}") from None
+        return DeepseekMtp(self, mtp_weights(weights, p, layer, self.lm_head))
 
     def forward(
         self,
@@ -160,10 +174,12 @@ class DeepseekModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, ...]],
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` (see
         ``zllm.domain.family.Model``); ``kv_caches[i]`` is layer ``i``'s
-        ``(latent_cache [NB, BS, 1, W],)``."""
+        ``(latent_cache [NB, BS, 1, W],)``. ``return_hidden``: also every row's final-norm
+        output ``[T, C]`` (what the MTP layer reads), as ``(logits, hidden)``."""
         ops, eps = self.ops, self.spec.rms_norm_eps
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, Dr/2] each
         residual = ops.embedding(self.embed, token_ids)  # [T, C]
@@ -174,9 +190,13 @@ class DeepseekModel:
             ffn = self.ffn(layer, x)  # [T, C]
             if i + 1 < len(self.layers):
                 x, residual = ops.add_rms_norm(ffn, residual, self.layers[i + 1].attn_norm, eps)
+            elif return_hidden:
+                residual = ffn + residual  # [T, C]
             else:
                 residual = ffn[logits_indices] + residual[logits_indices]  # [S', C]
-        x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
+        x = ops.rms_norm(residual, self.norm, eps)  # [S', C], or [T, C] with return_hidden
+        if return_hidden:
+            return ops.linear(x[logits_indices], self.lm_head), x  # [S', V], [T, C]
         return ops.linear(x, self.lm_head)  # [S', V]
 
     def attention(

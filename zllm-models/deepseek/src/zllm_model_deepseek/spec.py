@@ -13,8 +13,9 @@ their modeling code; the attention settings are read by the core's
 - FFN: layers ``0 .. first_k_dense_replace - 1`` dense (``intermediate_size``), the others
   MoE (``n_routed_experts`` of width ``moe_intermediate_size``, ``n_shared_experts`` always on);
 - Multi-token-prediction layers (``num_nextn_predict_layers``, layer indices after the last
-  decoder layer): their tensors are accepted and loaded when a checkpoint carries them, and
-  not run (speculative decoding will use them).
+  decoder layer): their tensors are accepted and loaded when a checkpoint carries them; the
+  first one is the model's ``mtp`` proposer for speculative decoding
+  (:mod:`zllm_model_deepseek.mtp`).
 
 Two zllm keys describe a GGUF file's layout (:mod:`zllm_model_deepseek.gguf` sets them):
 ``kv_b_split`` (``kv_b_proj`` stored as per-head ``k_b_proj`` transposed and ``v_b_proj``) and
