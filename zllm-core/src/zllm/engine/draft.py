@@ -1,15 +1,17 @@
 """Loading the draft model of ``speculative.method: draft`` (:mod:`zllm.runtime.draft`).
 
-The draft goes through the same load pipeline as the target (:func:`zllm.engine.loader.load_model`),
-on the target's backend, with a paged KV cache of its own as large as the target's. Before
-any of its weights is read it must agree with the target on what a token id means and reach
-as far: its token table must hold the target's, id for id (llama.cpp's
+The draft goes through the same load pipeline as the target
+(:func:`zllm.engine.loader.load_model`), on the target's backend, with a paged KV cache of
+its own: the target's blocks plus each running sequence's lookahead. Before any of its
+weights is read it must agree with the target on what a token id means and reach as far:
+its token table must hold the target's, id for id (llama.cpp's
 ``common_speculative_are_compatible`` compares token texts the same way; padded vocabulary
 sizes may differ), and its context window must not be shorter than the target's.
 """
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import attrs
@@ -70,15 +72,20 @@ def load_draft(target: LoadedModel, host: PluginHost, sample_width: int) -> Draf
         raise ConfigError(DRAFT_PATH, f"the draft {ckpt.path} has a context window of {spec.context_length} tokens, "
                                       f"shorter than the target's {target.context_length}; set "
                                       f"runtime.context_length to at most {spec.context_length}")
+    # The target's blocks plus each running sequence's lookahead and a partial block: the draft
+    # holds what the target's running sequences hold, never a prefix cache.
+    block_size = cfg.runtime.kv_cache.block_size
+    per_seq = math.ceil(cfg.speculative.num_tokens / block_size) + 1
+    num_blocks = target.kv_num_blocks + cfg.runtime.max_num_seqs * per_seq
     runtime = attrs.evolve(cfg.runtime, context_length=target.context_length,
-                           kv_cache=attrs.evolve(cfg.runtime.kv_cache, num_blocks=target.kv_num_blocks))
+                           kv_cache=attrs.evolve(cfg.runtime.kv_cache, num_blocks=num_blocks))
     loaded = load_model(attrs.evolve(cfg, model=ModelConfig(draft.path, draft.format, draft.dtype), runtime=runtime,
                                      backend=attrs.evolve(cfg.backend, name=target.backend_choice.info.name)), host)
     model = cast(Model, loaded.model)
     if model.vocab_size < sample_width:
         raise ConfigError(DRAFT_PATH, f"the draft {ckpt.path} computes {model.vocab_size} logits, fewer than "
                                       f"the {sample_width} tokens the target samples from")
-    kv = PagedKVCache(model_kv_spec(loaded.model), loaded.kv_num_blocks, cfg.runtime.kv_cache.block_size,
+    kv = PagedKVCache(model_kv_spec(loaded.model), loaded.kv_num_blocks, block_size,
                       dtype=kv_cache_dtype(cfg), device=loaded.backend.device, eviction_lag=cfg.speculative.num_tokens)
     return DraftProposer(ModelRunner(loaded.model, loaded.ops, kv, loaded.backend.device,
                                      cfg.runtime.batch_invariant, sample_width))
