@@ -19,6 +19,8 @@ from tests.conftest import MODEL_DIR, copy_tokenizer
 from tests.e2e.test_speculative import _chi_square_critical as chi_square_critical
 from tests.e2e.test_speculative import _homogeneity_chi_square as homogeneity_chi_square
 from zllm.runtime.draft import DraftProposer, common_prefix
+from zllm.runtime.kv_cache import PagedKVCache
+from zllm.runtime.runner import ModelRunner
 from zllm.runtime.speculative import Proposal
 from zllm.spec.errors import ConfigError
 
@@ -119,10 +121,14 @@ class RecordingProposer:
     def __init__(self, inner: DraftProposer):
         self.inner = inner
         self.calls: list[tuple[list[int], Proposal]] = []
+        self.unanswered = 0  # sequences asked for tokens that got none
+        self.most_evicted = 0  # the most blocks a sliding window had freed from one sequence's draft cache
 
     def propose(self, seqs, ks):
         proposals = self.inner.propose(seqs, ks)
         self.calls += [(s.all_ids, p) for s, p in zip(seqs, proposals, strict=True) if p.tokens]
+        self.unanswered += sum(1 for p, k in zip(proposals, ks, strict=True) if k and not p.tokens)
+        self.most_evicted = max([self.most_evicted, *(h.num_evicted for h in self.inner._handles.values())])
         return proposals
 
     def release(self, seq):
@@ -143,6 +149,7 @@ def test_after_rejections_and_in_batches_the_draft_proposes_what_it_would_from_s
         assert e.llm.scheduler.stats.max_decodes_per_step > 1
         stats = e.llm.spec_stats
         assert sum(stats.accepted) < sum(stats.proposed)  # rejections happened
+        assert recorder.unanswered == 0
     with zllm.Engine.from_config({**_config(), "model": {"path": str(random_draft)}}) as draft:
         for ids, proposed in recorder.calls:
             alone = draft.generate({"prompt_token_ids": ids, "max_tokens": len(proposed.tokens), "ignore_eos": True})
@@ -180,6 +187,59 @@ def test_a_sampled_proposal_under_a_grammar_is_verified_as_one_hot(hot_draft):
                           "response_format": {"type": "regex", "regex": "[a-z ]+\\."}})
         assert out["text"][-1] == "." and recorder.calls
         assert all(p.q is None for _, p in recorder.calls)
+
+
+def _run_together(engine, reqs: list[dict]) -> list[list[int]]:
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = engine.generate(reqs[i])["token_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return [results[i] for i in range(len(reqs))]
+
+
+def test_a_sliding_window_draft_rolls_back_within_its_window(tmp_path, greedy_runs):
+    """A Mistral draft whose every layer slides over 12 tokens (its cache frees old blocks):
+    its proposals still equal its own continuation computed alone."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    draft = tmp_path / "mistral"
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                     sliding_window=12, tie_word_embeddings=False)
+                       ).save_pretrained(draft, safe_serialization=True)
+    copy_tokenizer(draft)
+    with zllm.Engine.from_config(_config(draft, k=5, kv_cache={"block_size": 4})) as e:
+        assert e.llm.proposer.kv.sliding_window == 12
+        recorder = RecordingProposer(e.llm.proposer)
+        e.loop.call(lambda llm: setattr(llm, "proposer", recorder))
+        assert _run_together(e, [_greedy(p, 48) for p in PROMPTS]) == [greedy_runs[p][:48] for p in PROMPTS]
+        assert recorder.most_evicted > 0 and recorder.unanswered == 0
+    with zllm.Engine.from_config({**_config(kv_cache={"block_size": 4}), "model": {"path": str(draft)}}) as alone:
+        for ids, proposed in recorder.calls:
+            assert alone.generate({"prompt_token_ids": ids, "max_tokens": len(proposed.tokens),
+                                   "ignore_eos": True})["token_ids"] == proposed.tokens
+
+
+def test_a_draft_cache_too_small_for_every_sequence_proposes_for_those_it_holds(greedy_runs):
+    """A draft whose cache holds about two of four sequences: the others get no proposals
+    in the steps it cannot hold them, and every output stays the greedy one."""
+    with zllm.Engine.from_config(_config(TARGET, k=4)) as e:
+        big = e.llm.proposer
+        small = PagedKVCache(big.kv.spec, 12, big.kv.block_size, device=big.runner.device)
+        proposer = RecordingProposer(DraftProposer(ModelRunner(big.runner.model, big.runner.ops, small,
+                                                               big.runner.device, True, big.runner.sample_width)))
+        e.loop.call(lambda llm: setattr(llm, "proposer", proposer))
+        assert _run_together(e, [_greedy(p, 60) for p in PROMPTS]) == [greedy_runs[p][:60] for p in PROMPTS]
+        assert e.llm.spec_stats.acceptance_rate == 1.0  # whatever it proposed was right
+        assert proposer.unanswered > 0 and proposer.calls
+        assert small.num_free_blocks == small.num_blocks
 
 
 def test_adaptive_lookahead_stops_drafting_with_a_draft_that_is_always_wrong(greedy_runs, random_draft):
