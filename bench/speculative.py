@@ -13,9 +13,12 @@ and ``--batch`` concurrent sequences:
   the plain baseline runs in the same mode).
 - **Always wrong** (``wrong`` rows): acceptance 0, with adaptive K (speculation falls to an
   occasional probe) and with a fixed K per K: the cost of verification that never pays.
-- **n-gram on stories260K** (``ngram`` rows): prompt lookup on the one trained model, on a
-  prompt that already holds the story it will continue (input-repetitive, as summarising or
-  editing a document is).
+- **n-gram on stories260K** (``ngram`` rows): prompt lookup on the one trained model (its
+  shipped F32 GGUF), on a prompt that already holds the story it will continue
+  (input-repetitive, as summarising or editing a document is); beside it llama.cpp's own
+  prompt-lookup example (``llama-lookup``, built from the ``llama-cpp-python`` sdist with
+  ``--llama-cpp build``; ``auto`` uses it when already built) on the same file, prompt, K and
+  thread count.
 
 Decode tok/s is the tokens delivered after every sequence had its first one, over that
 time; medians of ``--repeats``. Wall-clock timings; nothing here asserts on them.
@@ -26,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -53,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=default_threads())
+    p.add_argument("--llama-cpp", choices=("auto", "build", "off"), default="auto",
+                   help="llama.cpp's llama-lookup beside the n-gram rows: auto = when already built")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels on both sides (exact replays; slower steps)")
     p.add_argument("--json", metavar="OUT", type=Path, help="write settings and every measurement here")
@@ -140,6 +147,40 @@ def measure(path: Path, args, prompts: list[list[int]], spec: dict[str, Any] | N
             "tokens": runs[0][1], "acceptance": rate}
 
 
+def llama_lookup_binary(mode: str) -> Path | None:
+    """``llama-lookup`` from the sdist's llama.cpp (built on ``build``), or None."""
+    if mode == "off":
+        return None
+    import llama_cpp_peer
+
+    src = llama_cpp_peer.sources(fetch=mode == "build")
+    if src is None:
+        return None
+    binary = src / "build" / "bin" / "llama-lookup"
+    if not binary.exists() and mode == "build":
+        flags = [*llama_cpp_peer.CMAKE_FLAGS, "-DLLAMA_BUILD_EXAMPLES=ON"]
+        for cmd in (["cmake", "-S", str(src), "-B", str(src / "build"), *flags],
+                    ["cmake", "--build", str(src / "build"), "--target", "llama-lookup", "-j", "2"]):
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return binary if binary.exists() else None
+
+
+def llama_lookup(binary: Path, gguf: Path, prompt: str, args) -> dict[str, Any]:
+    """Decode tok/s and acceptance of llama.cpp's prompt-lookup example (medians)."""
+    runs, accepts = [], []
+    for _ in range(args.repeats):
+        proc = subprocess.run([str(binary), "-m", str(gguf), "-p", prompt, "-n", str(args.new_tokens),
+                               "--spec-draft-n-max", str(args.k), "-t", str(args.threads), "--temp", "0", "-c", "1024"],
+                              capture_output=True, text=True, timeout=600)
+        speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", proc.stderr)
+        accept = re.search(r"accept\s+=\s+([\d.]+)%", proc.stderr)
+        if speed is None:
+            raise RuntimeError(f"llama-lookup printed no speed:\n{proc.stderr[-2000:]}")
+        runs.append(float(speed[1]))
+        accepts.append(float(accept[1]) / 100 if accept else None)
+    return {"tok_s": statistics.median(runs), "runs": runs, "acceptance": accepts[0]}
+
+
 def weights(name: str, dtype: str) -> Path:
     return ensure(name) if dtype == "f32" else ensure_gguf(name, dtype)[0]
 
@@ -185,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     # n-gram on the trained model, on a prompt that already holds the story it continues.
     import zllm
 
-    story_path = ensure("stories260k")
+    story_path = ensure_gguf("stories260k", "f32")[0]
     story_label = "stories260k f32 (story prompt)"
     with zllm.Engine.from_config(engine_config(story_path, args, None)) as engine:
         story = engine.generate({"prompt": "", "max_tokens": 400})["token_ids"]
-    prompt = story[:300] + story[:60]
+        prompt_text = engine.tokenizer.decode(story[:300] + story[:60])
+        prompt = engine.prompt_ids(engine.parse({"prompt": prompt_text}))
+    lookup = llama_lookup_binary(args.llama_cpp)
     for batch in sorted({1, args.batch}):
         prompts = [prompt] * batch
         plain = measure(story_path, args, prompts, None)
@@ -197,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(story_path, args, prompts, {"method": "ngram", "num_tokens": args.k, "adaptive": True})
         report({"model": story_label, "batch": batch, "method": "ngram", "setting": f"K={args.k} adaptive",
                 **res})
+        if batch == 1 and lookup is not None:
+            peer = llama_lookup(lookup, story_path, prompt_text, args)
+            report({"model": story_label, "batch": batch, "method": "llama.cpp llama-lookup",
+                    "setting": f"K={args.k}", **peer})
+            print(f"zllm n-gram / llama.cpp llama-lookup: {res['tok_s'] / peer['tok_s']:.2f}x", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k != "json"}
