@@ -395,3 +395,66 @@ def test_any_valid_dict_structures_and_round_trips(data: st.DataObject, ckpt_dir
                 assert as_dict["runtime"]["kv_cache"] == {**as_dict["runtime"]["kv_cache"], **value}
             else:
                 assert as_dict[section][key] == value
+
+
+# --- speculative.draft.model: a model section at its own key path --------------------------
+
+
+def test_draft_model_path_is_resolved_against_the_file_and_round_trips(tmp_path: Path) -> None:
+    for name in ("target", "draft"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+    (tmp_path / "conf").mkdir()
+    cfg_file = tmp_path / "conf" / "x.yaml"
+    cfg_file.write_text(
+        "schema_version: 1\nmodel: {path: ../models/target}\n"
+        "speculative:\n  method: draft\n  num_tokens: 3\n  draft:\n    model: {path: ../models/draft, dtype: f16}\n"
+    )
+    cfg = load_config(cfg_file)
+    draft = cfg.speculative.draft.model
+    assert draft is not None and (draft.path, draft.format, draft.dtype) == (str(tmp_path / "models" / "draft"),
+                                                                            "hf", "f16")
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_a_draft_model_is_optional_for_other_methods(base: dict[str, Any]) -> None:
+    assert config_from_dict({**base, "speculative": {"method": "ngram"}}).speculative.draft.model is None
+
+
+BAD_DRAFT = [
+    # (the speculative section, the key path named, a fragment of the message)
+    ({"method": "draft"}, "speculative.draft.model", "required key is missing (speculative.method is draft)"),
+    ({"method": "draft", "draft": {"model": None}}, "speculative.draft.model", "required key is missing"),
+    ({"method": "draft", "draft": {"model": {"pth": "x"}}}, "speculative.draft.model.pth",
+     "unknown key 'pth'; did you mean 'path'?"),
+    ({"method": "draft", "draft": {"model": {"dtype": "f16"}}}, "speculative.draft.model.path",
+     "required key is missing"),
+    ({"method": "draft", "draft": {"model": {"path": "CKPT", "dtype": "f64"}}}, "speculative.draft.model.dtype",
+     "expected one of 'auto', 'f32', 'f16', 'bf16', got 'f64'"),
+    ({"method": "draft", "draft": {"model": {"path": "CKPT", "format": "gguf"}}}, "speculative.draft.model.format",
+     "needs a .gguf file"),
+    ({"method": "draft", "draft": {"model": {"path": "/nonexistent/draft"}}}, "speculative.draft.model.path",
+     "/nonexistent/draft does not exist"),
+    ({"method": "draft", "draft": {"model": 5}}, "speculative.draft.model", "expected a mapping of keys, got 5"),
+    ({"method": "draft", "draft": {"modle": {}}}, "speculative.draft.modle", "did you mean 'model'?"),
+]
+
+
+@pytest.mark.parametrize(("section", "path", "fragment"), BAD_DRAFT, ids=[p for _, p, _ in BAD_DRAFT])
+def test_bad_draft_model_names_its_key_path(base: dict[str, Any], ckpt_dir: Path, section: dict, path: str,
+                                            fragment: str) -> None:
+    model = section.get("draft", {}).get("model")
+    if isinstance(model, dict) and model.get("path") == "CKPT":
+        model["path"] = str(ckpt_dir)
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({**base, "speculative": section})
+    assert exc.value.path == path
+    assert fragment in str(exc.value)
+
+
+def test_the_target_model_section_keeps_its_key_path_beside_a_draft(ckpt_dir: Path) -> None:
+    speculative = {"method": "draft", "draft": {"model": {"path": str(ckpt_dir)}}}
+    for model, path in (({"path": str(ckpt_dir), "dtype": "f64"}, "model.dtype"), ({"pth": "x"}, "model.pth"),
+                        ({"path": "/nonexistent/target"}, "model.path")):
+        with pytest.raises(ConfigError) as exc:
+            config_from_dict({"model": model, "speculative": speculative})
+        assert exc.value.path == path

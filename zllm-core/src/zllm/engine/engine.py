@@ -21,6 +21,7 @@ import attrs
 
 from zllm.domain.family import Model, model_kv_spec, model_mtp
 from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoning
+from zllm.engine.draft import load_draft
 from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
 from zllm.engine.loop import EngineLoop, RequestHandle
 from zllm.engine.structured import StructuredOutput
@@ -58,10 +59,14 @@ def make_proposer(loaded: LoadedModel, host: PluginHost) -> Proposer | None:
     Raises:
         ConfigError: (``speculative.method``) ``mtp`` for a checkpoint without
             multi-token-prediction layers; names the checkpoint.
+        ZllmError subclasses: a draft model that cannot serve the target
+            (:func:`zllm.engine.draft.load_draft`).
     """
     cfg = loaded.config.speculative
     if cfg.method is None:
         return None
+    if cfg.method == "draft":
+        return load_draft(loaded, host, min(cast(Model, loaded.model).vocab_size, loaded.tokenizer.vocab_size))
     if cfg.method == "mtp":
         return _mtp_proposer(loaded)
     assert cfg.method == "ngram", cfg.method  # the config contract admits only implemented methods

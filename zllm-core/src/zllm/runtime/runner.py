@@ -148,7 +148,7 @@ class ModelRunner:
         masks = [_mask(s, self.device) for s in sampling]
         wanted = [s.request.logprobs for s in sampling]
         top = max((n for n in wanted if n is not None), default=0)
-        out = self.sampler(logits, [self._sampling_row(s) for s in sampling],
+        out = self.sampler(logits, [self.sampling_row(s) for s in sampling],
                            masks=masks if any(m is not None for m in masks) else None,
                            logprobs=any(n is not None for n in wanted), top_logprobs=top)
         return self._results(sampling, wanted, out)
@@ -156,7 +156,7 @@ class ModelRunner:
     def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, Proposal, int]]) -> list[Sampled]:
         """Verify each sequence's proposal against its ``k + 1`` rows of f32 logits, then roll
         its KV back to the tokens it keeps."""
-        rows = [self._sampling_row(seq, tuple(p.tokens[:j]))
+        rows = [self.sampling_row(seq, tuple(p.tokens[:j]))
                 for seq, p, _ in verifying for j in range(len(p.tokens) + 1)]
         masks = [m for seq, p, _ in verifying for m in self._verify_masks(seq, p.tokens)]
         dist = self.sampler.distributions(logits, rows, masks=masks if any(m is not None for m in masks) else None)
@@ -215,6 +215,29 @@ class ModelRunner:
         finally:
             self.kv.free(seq_kv)
 
+    def logits(self, spans: list[tuple[SeqKV, list[int]]]) -> torch.Tensor:
+        """f32 ``[S, W]`` logits after the last token of each span, ``W`` the sampling width:
+        each ``(handle, tokens)`` appends its tokens (at least one) to what ``handle`` caches,
+        all spans in one forward (a draft model's proposal step).
+
+        Raises:
+            OutOfKVBlocks: the cache cannot hold a span (check ``kv.can_append`` first).
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        for handle, tokens in spans:
+            assert tokens, "a span appends at least one token"
+            positions += range(handle.num_tokens, handle.num_tokens + len(tokens))
+            slots += self.kv.append(handle, len(tokens))
+            ids += tokens
+            rows.append(len(ids) - 1)
+        with torch.inference_mode():
+            logits = self._forward(ids, positions, slots, [h for h, _ in spans],
+                                   tuple(len(t) for _, t in spans), rows)  # [S, V]
+        return logits if self.sample_width is None else logits[:, : self.sample_width]
+
     def _forward(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[SeqKV],
                  query_lens: tuple[int, ...], logits_rows: list[int], return_hidden: bool = False):
         """One model forward over a flattened batch whose slots are already reserved: the
@@ -235,9 +258,11 @@ class ModelRunner:
                                       return_hidden=True)
         return self.model.forward(packed[:t], packed[t: 2 * t], meta, self.kv.layers, packed[3 * t: 3 * t + r])
 
-    def _sampling_row(self, seq: Sequence, lookahead: tuple[int, ...] = ()) -> SamplingRow:
+    def sampling_row(self, seq: Sequence, lookahead: tuple[int, ...] = (),
+                     generator: torch.Generator | None = None) -> SamplingRow:
         """``seq``'s settings for its next token, or for the token after ``lookahead`` (a
-        verify row: its penalties count the proposals before it as output)."""
+        verify row, or a draft model's next proposal: its penalties count the tokens before it
+        as output); draws come from ``generator``, default the sequence's own."""
         r = seq.request
         penalised = r.repetition_penalty != 1.0 or r.presence_penalty != 0.0 or r.frequency_penalty != 0.0
         return SamplingRow(
@@ -251,5 +276,5 @@ class ModelRunner:
                 torch.tensor(seq.output_ids + list(lookahead), dtype=torch.int64, device=self.device) if penalised
                 else _EMPTY
             ),
-            generator=seq.generator,
+            generator=seq.generator if generator is None else generator,
         )

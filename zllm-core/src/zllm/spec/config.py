@@ -42,6 +42,8 @@ import logging
 import math
 import os
 import reprlib
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -355,7 +357,7 @@ class GenerationDefaults:
     add_bos: bool | None = _config_field(OPTIONAL_BOOL, None)
 
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "mtp")
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft", "mtp")
 """Proposers of speculative decoding (zllm.runtime.speculative)."""
 
 
@@ -381,6 +383,30 @@ class NgramConfig:
 
 
 @attrs.frozen
+class DraftModelConfig(ModelConfig):
+    """``speculative.draft.model:`` — the draft model's weights, with the keys of ``model:``
+    (its own class only so that its errors name their own key path)."""
+
+
+@attrs.frozen
+class DraftConfig:
+    """``speculative.draft:`` — proposals decoded by a smaller model with the same tokenizer
+    (:mod:`zllm.runtime.draft`).
+
+    Attributes:
+        model: the draft checkpoint, a section shaped like ``model:``; required when
+            ``speculative.method`` is ``draft`` (ignored otherwise).
+    """
+
+    model: DraftModelConfig | None = None
+
+
+def _check_draft(instance: Any, attribute: attrs.Attribute, value: DraftConfig) -> None:
+    if instance.method == "draft" and value.model is None:
+        raise ConfigError("speculative.draft.model", "required key is missing (speculative.method is draft)")
+
+
+@attrs.frozen
 class SpeculativeConfig:
     """``speculative:`` — speculative decoding (:mod:`zllm.runtime.speculative`): a proposer
     guesses up to ``num_tokens`` tokens, one verify step of the model keeps what it agrees
@@ -388,19 +414,22 @@ class SpeculativeConfig:
     bit with ``runtime.batch_invariant``).
 
     Attributes:
-        method: the proposer: ``ngram`` (the sequence's own earlier tokens), ``mtp`` (the
-            checkpoint's own multi-token-prediction layer, DeepSeek-V3's nextn layer), or
-            ``None`` (default) for no speculation.
+        method: the proposer: ``ngram`` (the sequence's own earlier tokens), ``draft`` (a
+            smaller model, ``draft.model``), ``mtp`` (the checkpoint's own
+            multi-token-prediction layer, DeepSeek-V3's nextn layer), or ``None`` (default)
+            for no speculation.
         num_tokens: the most tokens proposed per step, 1..16 (``K``).
         adaptive: adapt each sequence's ``K`` to its measured acceptance, down to none (with
             an occasional probe); ``false`` always proposes ``num_tokens``.
         ngram: see :class:`NgramConfig`.
+        draft: see :class:`DraftConfig`.
     """
 
     method: str | None = _config_field(_one_of(*SPECULATIVE_METHODS).or_null(), None)
     num_tokens: int = _config_field(Check("an int in 1..16", lambda v: _is_int(v) and 1 <= v <= 16), 4)
     adaptive: bool = _config_field(Check("true or false", lambda v: isinstance(v, bool)), True)
     ngram: NgramConfig = attrs.Factory(NgramConfig)
+    draft: DraftConfig = attrs.field(factory=DraftConfig, validator=_check_draft)
 
 
 TOOL_PARSER_FORMATS: tuple[str, ...] = ("harmony", "qwen3_coder", "hermes", "deepseek_v3", "mistral", "llama3_json")
@@ -472,9 +501,18 @@ def _section_paths(cl: type, prefix: str) -> dict[type, str]:
     attrs.resolve_types(cl)
     paths = {cl: prefix}
     for f in attrs.fields(cl):
-        if isinstance(f.type, type) and attrs.has(f.type):
-            paths.update(_section_paths(f.type, _join(prefix, f.name)))
+        section = _optional_section(f.type) or f.type
+        if isinstance(section, type) and attrs.has(section):
+            paths.update(_section_paths(section, _join(prefix, f.name)))
     return paths
+
+
+def _optional_section(t: Any) -> type | None:
+    """``C`` for a field typed ``C | None`` with ``C`` a section class, else None."""
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1 and attrs.has(args[0]):
+        return args[0]
+    return None
 
 
 def _join(prefix: str, key: object) -> str:
@@ -526,22 +564,33 @@ def _make_converter() -> cattrs.Converter:
         return structure
 
     conv.register_structure_hook_factory(attrs.has, section_hook)
+
+    def optional_section(data: Any, t: Any) -> Any:
+        section = _optional_section(t)
+        assert section is not None  # the predicate below admits only such types
+        return None if data is None else conv.structure(data, section)
+
+    conv.register_structure_hook_func(lambda t: _optional_section(t) is not None, optional_section)
     return conv
 
 
 _converter = _make_converter()
 
 
-def _resolve_model(model: ModelConfig, base_dir: Path) -> ModelConfig:
+_M = TypeVar("_M", bound=ModelConfig)
+
+
+def _resolve_model(model: _M, base_dir: Path) -> _M:
     # abspath, not resolve(): keep the user's symlinked names (HF cache snapshots) readable.
     path = Path(os.path.abspath(base_dir / Path(model.path).expanduser()))
+    section = _SECTION_PATHS[type(model)]
     if not path.exists():
-        raise ConfigError("model.path", f"{path} does not exist")
+        raise ConfigError(f"{section}.path", f"{path} does not exist")
     detected = "hf" if path.is_dir() else "gguf"
     if model.format not in ("auto", detected):
         kind = "a directory" if path.is_dir() else "a file"
         needs = "an HF checkpoint directory" if model.format == "hf" else "a .gguf file"
-        raise ConfigError("model.format", f"format {model.format!r} needs {needs}, but {path} is {kind}")
+        raise ConfigError(f"{section}.format", f"format {model.format!r} needs {needs}, but {path} is {kind}")
     return attrs.evolve(model, path=str(path), format=detected)
 
 
@@ -555,8 +604,8 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None) -> Z
             current working directory.
 
     Returns:
-        The validated config, with ``model.path`` absolute and ``model.format`` resolved
-        to ``hf`` or ``gguf``.
+        The validated config, with ``model.path`` (and ``speculative.draft.model.path``)
+        absolute and its ``format`` resolved to ``hf`` or ``gguf``.
 
     Raises:
         ConfigError: at the first bad key path: an unknown key (with a did-you-mean and the
@@ -575,7 +624,13 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None) -> Z
             "zllm.spec.migrations.migrate_file_text)", SCHEMA_VERSION, "; ".join(changes)
         )
     cfg = _converter.structure(migrated, ZllmConfig)
-    return attrs.evolve(cfg, model=_resolve_model(cfg.model, base_dir or Path.cwd()))
+    base = base_dir or Path.cwd()
+    cfg = attrs.evolve(cfg, model=_resolve_model(cfg.model, base))
+    draft = cfg.speculative.draft
+    if draft.model is not None:
+        draft = attrs.evolve(draft, model=_resolve_model(draft.model, base))
+        cfg = attrs.evolve(cfg, speculative=attrs.evolve(cfg.speculative, draft=draft))
+    return cfg
 
 
 def _plain_copy(data: Any) -> Any:
