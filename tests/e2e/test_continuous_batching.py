@@ -8,11 +8,10 @@ blocks and recompute preemption.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 import zllm
+from tests.concurrent_requests import run_together
 from tests.conftest import MODEL_DIR, write_config
 from tests.step_gate import StepGate
 from zllm.spec.errors import KernelNotFound, RequestError
@@ -41,30 +40,6 @@ def _requests(engine) -> list[dict]:
     return reqs
 
 
-def _run_together(engine, reqs: list[dict]) -> list[list[int]]:
-    """One thread per request, all released at once, each driving ``generate_stream``."""
-    results: list[list[int] | BaseException] = [[] for _ in reqs]
-    start = threading.Barrier(len(reqs))
-
-    def drive(i: int) -> None:
-        try:
-            start.wait()
-            for event in engine.generate_stream(reqs[i]):
-                results[i] += event.get("token_ids", [])
-        except BaseException as exc:  # surfaced below, in the test's thread
-            results[i] = exc
-
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
-
-
 @pytest.fixture(scope="module")
 def invariant_engine(tmp_path_factory):
     return _engine(tmp_path_factory.mktemp("inv"), batch_invariant=True, max_num_seqs=16, max_prefill_tokens=32,
@@ -76,7 +51,7 @@ def test_sixteen_simultaneous_streams_each_equal_the_request_run_alone(invariant
     reqs = _requests(eng)
     alone = [eng.generate(r)["token_ids"] for r in reqs]
     before = eng.llm.scheduler.stats.max_decodes_per_step
-    together = _run_together(eng, reqs)
+    together = run_together(eng, reqs)
     assert together == alone
     assert len({tuple(a) for a in alone}) == len(reqs)  # distinct outputs, so a mix-up would show
     stats = eng.llm.scheduler.stats
@@ -120,7 +95,7 @@ def test_requests_beyond_the_kv_pool_queue_and_all_complete_as_alone(tmp_path):
     reqs = [{"prompt": p, "max_tokens": 50, "ignore_eos": True, **({"temperature": 0.8, "seed": i} if i % 2 else {})}
             for i, p in enumerate(["The cat", "One day", "Lily", "Tom had a big", "The sun", "A bird"])]
     alone = [eng.generate(r)["token_ids"] for r in reqs]
-    together = _run_together(eng, reqs)
+    together = run_together(eng, reqs)
     assert together == alone and all(len(t) == 50 for t in together)
     st = eng.llm.scheduler.stats
     assert st.admission_waits > 0

@@ -5,12 +5,11 @@ streamed and not, with the tokens of ``zllm.Engine``."""
 
 from __future__ import annotations
 
-import threading
-
 import openai
 import pytest
 
 import zllm
+from tests.concurrent_requests import run_together
 from tests.conftest import write_config
 from tests.parity.test_deepseek_vs_transformers import _save
 from tests.server.conftest import start_server
@@ -30,23 +29,6 @@ def _engine(tmp_path, path, **runtime):
     return zllm.Engine.from_config(write_config(tmp_path, path, runtime=runtime))
 
 
-def _run_together(engine, reqs) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in reqs]
-    start = threading.Barrier(len(reqs))
-
-    def drive(i: int) -> None:
-        start.wait()
-        for event in engine.generate_stream(reqs[i]):
-            out[i] += event.get("token_ids", [])
-
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
-
-
 def test_preempted_sequences_give_the_tokens_they_give_alone(deepseek_dir, tmp_path):
     # 8 blocks x 16 tokens: six prompts fit at admission (one block each), but not the ~3-4
     # blocks each grows to, so running sequences are preempted (latent rows freed) and
@@ -56,7 +38,7 @@ def test_preempted_sequences_give_the_tokens_they_give_alone(deepseek_dir, tmp_p
     reqs = [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS]
     alone = [engine.generate(r)["token_ids"] for r in reqs]
     preemptions_before = engine.llm.scheduler.stats.preemptions
-    together = _run_together(engine, reqs)
+    together = run_together(engine, reqs)
     assert engine.llm.scheduler.stats.preemptions > preemptions_before
     assert together == alone and all(len(t) == 40 for t in together)
     assert engine.llm.scheduler.kv.num_free_blocks == 8

@@ -6,12 +6,12 @@ capability is refused before a weight is read."""
 from __future__ import annotations
 
 import subprocess
-import threading
 
 import openai
 
 import zllm
 from tests.cli.conftest import ZLLM
+from tests.concurrent_requests import run_together
 from tests.conftest import write_config
 from tests.parity.test_moe_vs_transformers import save_moe
 from tests.server.conftest import start_server
@@ -29,19 +29,7 @@ def test_concurrent_requests_in_batch_invariant_mode_equal_each_request_alone(tm
     engine = _engine(tmp_path, path, batch_invariant=True, max_prefill_tokens=8, prefix_cache_seqs=0)
     assert {e.capability for e in engine.loaded.ops.explain()} >= {"moe[f32]"}
     reqs = [{"prompt": p, "max_tokens": 16 + 4 * i, "ignore_eos": True} for i, p in enumerate(PROMPTS)]
-    together: list[list[int]] = [[] for _ in reqs]
-    start = threading.Barrier(len(reqs))
-
-    def drive(i: int) -> None:
-        start.wait()
-        for event in engine.generate_stream(reqs[i]):
-            together[i] += event.get("token_ids", [])
-
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    together = run_together(engine, reqs)
 
     alone = [engine.generate(r)["token_ids"] for r in reqs]
     assert together == alone

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 import zllm
 from tests.cli.conftest import one_line_error
 from tests.cli.conftest import zllm as zllm_cli
+from tests.concurrent_requests import run_together
 from tests.conftest import copy_tokenizer, write_config
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.runtime.kv_cache import PagedKVCache, SeqKV
@@ -267,18 +268,7 @@ def test_greedy_output_with_mtp_speculation_equals_greedy_output_without(tmp_pat
     _, _, path, _ = checkpoints
     reqs, expected = plain_runs
     with zllm.Engine.from_config(_config(tmp_path, path, k=k)) as e:
-        results: dict[int, list[int]] = {}
-        barrier = threading.Barrier(len(reqs))
-
-        def run(i: int) -> None:
-            barrier.wait()
-            results[i] = [t for ev in e.generate_stream(reqs[i]) for t in ev.get("token_ids", [])]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = dict(enumerate(run_together(e, reqs)))
         greedy = len(PROMPTS)
         assert [results[i] for i in range(greedy)] == expected[:greedy]
         stats = e.llm.spec_stats

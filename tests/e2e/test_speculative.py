@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zllm
+from tests.concurrent_requests import run_together
 from tests.conftest import MODEL_DIR, copy_tokenizer, write_config
 from zllm.runtime.speculative import NgramProposer, Proposal
 
@@ -121,18 +122,7 @@ def test_mixed_batches_speculating_sampling_and_plain_sequences_match_their_runs
     with zllm.Engine.from_config(_config(tmp_path, k=5)) as e:
         _use_replay(e, greedy_runs, error_rate=0.2)
         alone = [e.generate(r)["token_ids"] for r in reqs]
-        results: dict[int, list[int]] = {}
-        barrier = threading.Barrier(len(reqs))
-
-        def run(i: int) -> None:
-            barrier.wait()
-            results[i] = [t for ev in e.generate_stream(reqs[i]) for t in ev.get("token_ids", [])]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = dict(enumerate(run_together(e, reqs)))
         assert [results[i] for i in range(len(reqs))] == alone
         for r, ids in zip(reqs[: len(PROMPTS)], alone, strict=False):
             assert ids == greedy_runs[r["prompt"]][: r["max_tokens"]]

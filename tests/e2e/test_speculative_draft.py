@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zllm
+from tests.concurrent_requests import run_together
 from tests.conftest import MODEL_DIR, copy_tokenizer
 from tests.e2e.test_speculative import _chi_square_critical as chi_square_critical
 from tests.e2e.test_speculative import _homogeneity_chi_square as homogeneity_chi_square
@@ -303,18 +304,7 @@ def test_mixed_batches_of_greedy_and_sampled_requests_match_their_runs_alone(gre
     reqs.append({**_greedy(PROMPTS[1], 24), "repetition_penalty": 1.3})
     with zllm.Engine.from_config(_config(TARGET if draft == "target" else random_draft, k=3)) as e:
         alone = [e.generate(r)["token_ids"] for r in reqs]
-        results: dict[int, list[int]] = {}
-        barrier = threading.Barrier(len(reqs))
-
-        def run(i: int) -> None:
-            barrier.wait()
-            results[i] = [t for ev in e.generate_stream(reqs[i]) for t in ev.get("token_ids", [])]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = dict(enumerate(run_together(e, reqs)))
         assert [results[i] for i in range(len(reqs))] == alone
         assert e.llm.scheduler.stats.max_decodes_per_step > 1
         assert _all_draft_blocks_free(e)
