@@ -18,7 +18,8 @@ and ``--batch`` concurrent sequences:
   (input-repetitive, as summarising or editing a document is); beside it llama.cpp's own
   prompt-lookup example (``llama-lookup``, built from the ``llama-cpp-python`` sdist with
   ``--llama-cpp build``; ``auto`` uses it when already built) on the same file, prompt, K and
-  thread count.
+  thread count. A ``draft`` row drafts with the same model's Q8_0 file (the only draft with
+  stories260K's vocabulary; the bench models share another one, and are random).
 
 Decode tok/s is the tokens delivered after every sequence had its first one, over that
 time; medians of ``--repeats``. Wall-clock timings; nothing here asserts on them.
@@ -239,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         report({"model": story_label, "batch": batch, "method": "none", "setting": "-", **plain})
         res = measure(story_path, args, prompts, {"method": "ngram", "num_tokens": args.k, "adaptive": True})
         report({"model": story_label, "batch": batch, "method": "ngram", "setting": f"K={args.k} adaptive",
+                **res})
+        draft = {"method": "draft", "num_tokens": args.k, "adaptive": True,
+                 "draft": {"model": {"path": str(ensure_gguf("stories260k", "q8_0")[0])}}}
+        res = measure(story_path, args, prompts, draft)
+        report({"model": story_label, "batch": batch, "method": "draft", "setting": f"K={args.k} Q8_0 draft",
                 **res})
         if batch == 1 and lookup is not None:
             peer = llama_lookup(lookup, story_path, prompt_text, args)

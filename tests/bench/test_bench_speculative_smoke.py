@@ -35,5 +35,5 @@ def test_bench_speculative_prints_every_method_and_writes_its_json(tmp_path: Pat
             assert r["acceptance"] == 1.0, r
         if r["method"] == "wrong":
             assert r["acceptance"] in (0.0, None), r
-    assert {r["method"] for r in rows if r["model"].startswith("stories260k f32 (story")} == {"none", "ngram"}
+    assert {r["method"] for r in rows if r["model"].startswith("stories260k f32 (story")} == {"none", "ngram", "draft"}
     assert "| stories260k f32 | 2 | replay | K=4 p=1.0 |" in proc.stdout
