@@ -238,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [prompt] * batch
         plain = measure(story_path, args, prompts, None)
         report({"model": story_label, "batch": batch, "method": "none", "setting": "-", **plain})
-        res = measure(story_path, args, prompts, {"method": "ngram", "num_tokens": args.k, "adaptive": True})
+        ngram = measure(story_path, args, prompts, {"method": "ngram", "num_tokens": args.k, "adaptive": True})
         report({"model": story_label, "batch": batch, "method": "ngram", "setting": f"K={args.k} adaptive",
-                **res})
+                **ngram})
         draft = {"method": "draft", "num_tokens": args.k, "adaptive": True,
                  "draft": {"model": {"path": str(ensure_gguf("stories260k", "q8_0")[0])}}}
         res = measure(story_path, args, prompts, draft)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             peer = llama_lookup(lookup, story_path, prompt_text, args)
             report({"model": story_label, "batch": batch, "method": "llama.cpp llama-lookup",
                     "setting": f"K={args.k}", **peer})
-            print(f"zllm n-gram / llama.cpp llama-lookup: {res['tok_s'] / peer['tok_s']:.2f}x", flush=True)
+            print(f"zllm n-gram / llama.cpp llama-lookup: {ngram['tok_s'] / peer['tok_s']:.2f}x", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k != "json"}
