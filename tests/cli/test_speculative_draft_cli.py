@@ -22,9 +22,10 @@ def test_run_with_a_gguf_draft_of_an_hf_target_prints_the_reference_story(tmp_pa
     cfg = tmp_path / "spec.yaml"
     with cfg.open("w") as f:
         YAML().dump(shipped, f)
-    proc = zllm("run", "--config", cfg)
+    proc = zllm("run", "--config", cfg, "--explain")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(REFERENCE_TEXT)
+    assert f"  draft model: {MODEL_DIR / 'gguf' / 'stories260K-q8_0.gguf'}" in proc.stderr, proc.stderr
     accepted = re.search(r"speculation: draft K=4 (\d+)% of proposals accepted", proc.stderr)
     assert accepted and int(accepted.group(1)) > 50, proc.stderr  # the same model, quantized, mostly agrees
 

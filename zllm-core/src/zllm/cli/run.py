@@ -159,3 +159,5 @@ def _explain(engine) -> None:
         adapt = "adapted per sequence to its acceptance" if spec.adaptive else "fixed"
         print(f"speculative decoding: {spec.method}, up to {spec.num_tokens} proposed tokens per step ({adapt})",
               file=out)
+        if spec.method == "draft" and spec.draft.model is not None:
+            print(f"  draft model: {spec.draft.model.path}", file=out)
