@@ -269,17 +269,31 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow],
           return_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Steps after the penalties: int64 ``[S]`` tokens and, if asked, f32 ``[S, V]`` drawn-from probabilities."""
     tokens, drawn, probs = _filtered(logits, rows)
-    probs_out = None
-    if return_probs:
-        probs_out = torch.zeros_like(logits).scatter_(1, tokens[:, None], 1.0)  # one-hot for greedy rows
+    probs_out = _distribution(logits, tokens, drawn, probs) if return_probs else None
     if probs is None:
         return tokens, probs_out
     index = torch.tensor(drawn, device=logits.device)  # [R]
     won = [race(p, rows[s].generator) for p, s in zip(probs, drawn, strict=True)]
-    tokens = tokens.index_put_((index,), torch.tensor(won, device=logits.device))
-    if probs_out is not None:
-        probs_out[index] = probs / probs.sum(dim=-1, keepdim=True)
-    return tokens, probs_out
+    return tokens.index_put_((index,), torch.tensor(won, device=logits.device)), probs_out
+
+
+def _distribution(logits: torch.Tensor, tokens: torch.Tensor, drawn: list[int],
+                  probs: torch.Tensor | None) -> torch.Tensor:
+    """f32 ``[S, V]``: each drawn row's filtered probabilities renormalised, every other
+    (greedy) row one-hot at its argmax token (:func:`_filtered`'s outputs)."""
+    out = torch.zeros_like(logits).scatter_(1, tokens[:, None], 1.0)
+    if probs is not None:
+        out[torch.tensor(drawn, device=logits.device)] = probs / probs.sum(dim=-1, keepdim=True)
+    return out
+
+
+def _masked_penalised(logits: torch.Tensor, rows: list[SamplingRow],
+                      masks: list[torch.Tensor | None] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(raw, x)``: the logits in f32 and, from them, the masked and penalised logits that
+    the filters and the draw start from."""
+    raw = logits.float()  # [S, V]
+    x = raw if masks is None or all(m is None for m in masks) else apply_masks(raw, masks)
+    return raw, apply_penalties(x, rows)
 
 
 class Sampler:
@@ -339,14 +353,8 @@ class Sampler:
             return torch.cat([self.distributions(logits[s: s + 1], rows[s: s + 1],
                                                  masks=None if masks is None else masks[s: s + 1])
                               for s in range(len(rows))])
-        raw = logits.float()
-        x = raw if masks is None or all(m is None for m in masks) else apply_masks(raw, masks)
-        x = apply_penalties(x, rows)
-        tokens, drawn, probs = _filtered(x, rows)
-        out = torch.zeros_like(x).scatter_(1, tokens[:, None], 1.0)
-        if probs is not None:
-            out[torch.tensor(drawn, device=x.device)] = probs / probs.sum(dim=-1, keepdim=True)
-        return out
+        _, x = _masked_penalised(logits, rows, masks)
+        return _distribution(x, *_filtered(x, rows))
 
     @staticmethod
     def _batch(logits: torch.Tensor, rows: list[SamplingRow], masks: list[torch.Tensor | None] | None,
@@ -354,9 +362,8 @@ class Sampler:
         if not rows:
             empty = torch.empty(0, dtype=torch.int64, device=logits.device)
             return SamplerOutput(empty)
-        raw = logits.float()  # [S, V]
-        x = raw if masks is None or all(m is None for m in masks) else apply_masks(raw, masks)
-        tokens, probs = _draw(apply_penalties(x, rows), rows, return_probs)
+        raw, x = _masked_penalised(logits, rows, masks)
+        tokens, probs = _draw(x, rows, return_probs)
         out_logprobs = top_ids = top_values = None
         if want_logprobs or top_logprobs:
             logp = torch.log_softmax(raw, dim=-1)  # [S, V], the raw model distribution
