@@ -13,24 +13,29 @@
  *   nvfp4:    q uint8 [N, K / 2], scales uint8 [N, K / 16] (E4M3FN bits), one f32 global
  *             scale: w = E2M1(nibble) * e4m3(scale) * global.
  *
- * Decoding, in registers, exact:
- *   E4M3FN -> f16 bits: sign << 15 | (byte & 0x7F) << 7 is the same number times 2^-8
- *   (normal and subnormal alike: the exponent bias goes from 7 to 15), converted with F16C;
- *   the 2^8 is folded into the scale. (NaN bytes 0x7F / 0xFF decode to 480: a checkpoint
- *   holds no NaN weights.)
- *   E2M1: twice its value is an integer (0 1 2 3 4 6 8 12, bit 3 = sign): one pshufb of a
- *   16-entry int8 table per 16 nibbles, then int8 -> int32 -> f32; the 1/2 goes into the
- *   scale.
- *   INT4 / INT8: q - zero in int16 lanes (exact), -> int32 -> f32.
+ * FP8 (f32 activations): E4M3FN -> f16 bits: sign << 15 | (byte & 0x7F) << 7 is the same
+ * number times 2^-8 (normal and subnormal alike: the exponent bias goes from 7 to 15),
+ * converted with F16C, exact; the 2^8 is folded into the scale (NaN bytes 0x7F / 0xFF decode
+ * to 480: a checkpoint holds no NaN weights). Per scale block, two 8-lane f32 accumulators;
+ * the block's sum times its scale into an 8-lane row total (one FMA); a block's last bk % 16
+ * columns one scalar FMA at a time. Against the f32 reference (dequantize, then x @ W^T) only
+ * rounding differs, ~1e-6 relative.
  *
- * Numerics: f32 products of exactly decoded quants, summed per scale group (8-lane
- * accumulators, one per half of a 16-column step), each group's sum times its f32 scale
- * added into an 8-lane row total (one FMA), then a fixed horizontal sum, the scalar tail
- * (fp8 blocks not a multiple of 16 wide) and + bias. Against the f32 reference (dequantize,
- * then x @ W^T) only the rounding differs: the reference rounds each w = q * s to f32, the
- * kernel rounds each group's sum before scaling; ~1e-6 relative. The order of every output
- * element depends only on the layout and K (never on T, N, the other rows or the thread
- * split): an output row is bit-identical whatever else is in the call.
+ * INT4 / INT8 / MXFP4 / NVFP4 (int16 activations, as gemv.c's GGUF blocks and for the same
+ * reason: converting every quant to f32 made the loops instruction-bound): x is quantized
+ * once per call per block of 32 in-features (s_b = max|x_b| / 32767, q = round(x / s_b)),
+ * in the nibble layouts with each block's even columns first, then its odd ones, so that the
+ * low / high nibbles of 16 bytes meet their activations without shuffling weights. Per
+ * 32-column block: q - zero (int16, exact) or twice the E2M1 value (an integer: one byte
+ * shuffle of a 16-entry table), two madds into 8 exact int32 lanes, converted and scaled by
+ * (weight scale * s_b) into one of two 8-lane accumulators (one FMA; 16-column groups give
+ * lanes 0-3 and 4-7 their own scale). |y - y_ref| <= sum_b (s_b / 2) sum_(i in b) |w_i|
+ * plus f32 rounding, ~1e-5 relative (int8 with |q - zero| up to 255: a lane's 4 products
+ * may pass 2^24, one more f32 rounding of 2^-24).
+ *
+ * Order: every output element is reduced in an order that depends only on the layout and K
+ * (never on T, N, the other rows or the thread split; x's quantization only on its own row):
+ * an output row is bit-identical whatever else is in the call.
  *
  * Threads: OpenMP with the caller's thread count (the libgomp torch loaded, as gemv.c). The
  * rows are cut into work items of about CHUNK_BYTES of weights handed out dynamically, so a
@@ -40,10 +45,11 @@
  */
 #include "common.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #define CHUNK_BYTES (64 << 10) /* weight bytes per work item */
-#define PREFETCH_AHEAD 1024    /* bytes: the decode loops retire few bytes per instruction */
+#define PREFETCH_AHEAD 2048    /* bytes: the decode loops retire few bytes per instruction */
 
 /* The operands of one call; fields a layout does not use are 0. */
 typedef struct {
@@ -80,7 +86,7 @@ static void tables(void) {
     }
 }
 
-/* ---- 16 quants as two 8-lane f32 vectors (lo = columns 0..7, hi = 8..15) ---- */
+/* ---- FP8: 16 quants as two 8-lane f32 vectors (lo = columns 0..7, hi = 8..15) ---- */
 
 /* 16 E4M3FN bytes -> their values times 2^-8 (file comment). */
 INLINE void fp8x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
@@ -91,115 +97,184 @@ INLINE void fp8x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
-/* 16 int8 lanes -> two 8-lane f32 vectors. */
-INLINE void i8x16_f32(__m128i v, __m256 *lo, __m256 *hi) {
-    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
-}
-
-/* 16 int16 lanes -> two 8-lane f32 vectors. */
-INLINE void i16x16_f32(__m256i v, __m256 *lo, __m256 *hi) {
-    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
-    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
-}
-
-/* The 16 nibbles of 8 bytes at p, in column order (low nibble first), as uint8 lanes. */
-INLINE __m128i nibbles8(const uint8_t *p) {
-    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-}
-
-/* Twice the E2M1 value of each nibble lane, int8. */
-INLINE __m128i e2m1x2(__m128i nib) {
-    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    return _mm_shuffle_epi8(table, nib);
-}
-
-/* q - z for 16 int4 columns (8 bytes at p) and 16 int8 columns (16 bytes), int16 lanes. */
-INLINE __m256i int4x16(const uint8_t *p, __m256i z) { return _mm256_sub_epi16(_mm256_cvtepu8_epi16(nibbles8(p)), z); }
-INLINE __m256i int8x16(const uint8_t *p, __m256i z) {
-    return _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), z);
-}
-
-/* ---- 16 columns starting at column c of row `row`, as f32 without the group scale ---- */
-
-INLINE void cols16_fp8(const uint8_t *row, int64_t c, __m256 *lo, __m256 *hi) { fp8x16(row + c, lo, hi); }
-INLINE void cols16_int4(const uint8_t *row, int64_t c, __m256i z, __m256 *lo, __m256 *hi) {
-    i16x16_f32(int4x16(row + c / 2, z), lo, hi);
-}
-INLINE void cols16_int8(const uint8_t *row, int64_t c, __m256i z, __m256 *lo, __m256 *hi) {
-    i16x16_f32(int8x16(row + c, z), lo, hi);
-}
-INLINE void cols16_fp4(const uint8_t *row, int64_t c, __m256 *lo, __m256 *hi) {
-    i8x16_f32(e2m1x2(nibbles8(row + c / 2)), lo, hi);
-}
-
 #define PREFETCH_ROW(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
 
-/* ---- one row times one token: per group, sum q * x (unscaled), then * the group's scale ---- */
-
-/* Group loop shared by the formats: STEP16(c, lo, hi) decodes columns c..c+15 of the group;
- * GROUP_SCALE is the group's f32 scale (with the decode's folded factor); the columns of a
- * group are a multiple of 16 (fp8: the tail of each block goes through TAIL(c)). */
-#define ROW_DOT(GROUP_COLS, GROUP_SETUP, STEP16, GROUP_SCALE, TAIL)                    \
-    __m256 tot = _mm256_setzero_ps();                                                           \
-    float tail = 0.0f;                                                                          \
-    for (int64_t g0 = 0, gi = 0; g0 < k; g0 += (GROUP_COLS), gi++) {                            \
-        const int64_t g1 = g0 + (GROUP_COLS) < k ? g0 + (GROUP_COLS) : k;                       \
-        GROUP_SETUP;                                                                            \
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                              \
-        int64_t c = g0;                                                                         \
-        for (; c + 16 <= g1; c += 16) {                                                         \
-            __m256 lo, hi;                                                                      \
-            STEP16;                                                                             \
-            a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + c), a0);                               \
-            a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + c + 8), a1);                           \
-        }                                                                                       \
-        const float s = (GROUP_SCALE);                                                          \
-        tot = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), tot);                   \
-        for (; c < g1; c++) tail = fmaf(TAIL, x[c], tail);                                      \
-    }                                                                                           \
-    return hsum(tot) + tail;
-
+/* One FP8 row times one token: per scale block (bk columns), sum q * x in two 8-lane f32
+ * accumulators, then * the block's scale into the row total (one FMA); a block's last
+ * bk % 16 columns one scalar FMA at a time into a scalar tail. */
 static float dot_fp8(const qweight *w, int64_t r, const float *x) {
-    const int64_t k = w->k, sk = (k + w->g - 1) / w->g;
+    const int64_t k = w->k, bk = w->g, sk = (k + bk - 1) / bk;
     const uint8_t *row = w->q + r * w->row_bytes;
     const float *sc = (const float *)w->scales + r / w->bn * sk;
-    ROW_DOT(w->g, (void)0,
-            (PREFETCH_ROW(row + c), cols16_fp8(row, c, &lo, &hi)),
-            sc[gi] * 256.0f, E4M3[row[c]] * sc[gi])
+    __m256 tot = _mm256_setzero_ps();
+    float tail = 0.0f;
+    for (int64_t b = 0; b < sk; b++) {
+        const int64_t c0 = b * bk, c1 = c0 + bk < k ? c0 + bk : k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t c = c0;
+        for (; c + 16 <= c1; c += 16) {
+            __m256 lo, hi;
+            PREFETCH_ROW(row + c);
+            fp8x16(row + c, &lo, &hi);
+            a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + c), a0);
+            a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + c + 8), a1);
+        }
+        tot = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(sc[b] * 256.0f), tot);
+        for (; c < c1; c++) tail = fmaf(E4M3[row[c]] * sc[b], x[c], tail);
+    }
+    return hsum(tot) + tail;
 }
 
-static float dot_int4(const qweight *w, int64_t r, const float *x) {
-    const int64_t k = w->k, ng = k / w->g;
-    const uint8_t *row = w->q + r * w->row_bytes, *zr = w->zeros + r * ng;
-    const float *sc = (const float *)w->scales + r * ng;
-    ROW_DOT(w->g, const __m256i z = _mm256_set1_epi16(zr[gi]),
-            (PREFETCH_ROW(row + c / 2), cols16_int4(row, c, z, &lo, &hi)), sc[gi], 0.0f)
+/* ---- INT4 / INT8 / E2M1: integer dot products with int16 activations ---- */
+
+INLINE float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
 }
 
-static float dot_int8(const qweight *w, int64_t r, const float *x) {
-    const int64_t k = w->k, ng = k / w->g;
-    const uint8_t *row = w->q + r * w->row_bytes, *zr = w->zeros + r * ng;
-    const float *sc = (const float *)w->scales + r * ng;
-    ROW_DOT(w->g, const __m256i z = _mm256_set1_epi16(zr[gi]),
-            (PREFETCH_ROW(row + c), cols16_int8(row, c, z, &lo, &hi)), sc[gi], 0.0f)
+/* One activation block of 32 (as gemv.c's quantize_block): q = round(x / s) to nearest
+ * even, s = max|x| / 32767; s = 0 and q = 0 for a block of zeros or an underflowing scale,
+ * s = NaN and q = 0 for a block holding a NaN or an infinity. Nibble layouts (deint) store
+ * the block's even columns first, then its odd ones: a nibble byte holds an even and an odd
+ * column, and this order pairs them with their activations without shuffling weights. */
+static void quantize_block(const float *x, int16_t *q, float *s, int deint) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 v[4], m = zero, bad = zero;
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        bad = _mm256_add_ps(bad, _mm256_mul_ps(v[i], zero)); /* 0, or NaN for NaN / inf */
+    }
+    const float sb = hmax(m) / 32767.0f + hsum(bad);
+    *s = sb;
+    if (!(sb > 0.0f)) {
+        memset(q, 0, 32 * sizeof *q);
+        return;
+    }
+    _Alignas(32) int32_t n[32];
+    for (int i = 0; i < 4; i++)
+        _mm256_store_si256((__m256i *)(n + 8 * i), _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(sb))));
+    for (int i = 0; i < 16; i++) {
+        q[deint ? i : 2 * i] = (int16_t)n[2 * i];
+        q[deint ? 16 + i : 2 * i + 1] = (int16_t)n[2 * i + 1];
+    }
 }
 
-static float dot_mxfp4(const qweight *w, int64_t r, const float *x) {
-    const int64_t k = w->k;
-    const uint8_t *row = w->q + r * w->row_bytes, *sc = (const uint8_t *)w->scales + r * (k / 32);
-    ROW_DOT(32, (void)0, (PREFETCH_ROW(row + c / 2), cols16_fp4(row, c, &lo, &hi)),
-            E8M0[sc[gi]] * 0.5f, 0.0f)
+/* 16 nibble bytes (32 columns): even columns' nibbles in q[0], odd in q[1], int16 lanes. */
+INLINE void nibbles32(const uint8_t *p, __m256i q[2]) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    q[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    q[1] = _mm256_srli_epi16(v, 4);
 }
 
-static float dot_nvfp4(const qweight *w, int64_t r, const float *x) {
-    const int64_t k = w->k;
-    const uint8_t *row = w->q + r * w->row_bytes, *sc = (const uint8_t *)w->scales + r * (k / 16);
-    const float global = w->global * 0.5f; /* exact: the 1/2 of the doubled E2M1 values */
-    ROW_DOT(16, (void)0, (PREFETCH_ROW(row + c / 2), cols16_fp4(row, c, &lo, &hi)),
-            E4M3[sc[gi]] * global, 0.0f)
+/* 16 nibble bytes (32 columns) as twice their E2M1 values (integers: 0 1 2 3 4 6 8 12, bit
+ * 3 = sign), one byte shuffle of a 16-entry int8 table per 16 nibbles, widened to int16:
+ * even columns in q[0], odd in q[1]. */
+INLINE void e2m1x2_32(const uint8_t *p, __m256i q[2]) {
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
+    q[0] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(b, mask)));
+    q[1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+}
+
+INLINE __m256 halves(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
+INLINE __m256i halves16(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo)); }
+
+INLINE __m256i madd2(__m256i q0, __m256i q1, const int16_t *x) {
+    const __m256i *xb = (const __m256i *)x;
+    return _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256(xb)),
+                            _mm256_madd_epi16(q1, _mm256_loadu_si256(xb + 1)));
+}
+
+enum { L_INT4, L_INT8, L_MXFP4, L_NVFP4 };
+
+/* Block b (32 columns) of a row into *acc: the exact int32 lanes of (weight quant) * (x
+ * quant), as f32, times the lanes' scales (weight scale * s_b), one FMA. gi: the block's
+ * group (int layouts with g >= 32). madd pairs adjacent int16 lanes, so with 16-column
+ * groups (nvfp4; int4_g / int8_g with g = 16, `half`) int32 lanes 0-3 of a nibble block
+ * belong to its first group and 4-7 to its second; int8's two halves are summed apart. */
+INLINE void block_step(const qweight *w, const uint8_t *row, const uint8_t *zr, const void *scales, int64_t b,
+                       int64_t gi, const int16_t *xq, const float *xs, const int layout, const int half,
+                       __m256 *acc) {
+    const int16_t *x = xq + 32 * b;
+    const float *sf = (const float *)scales;
+    const uint8_t *s8 = (const uint8_t *)scales;
+    __m256i p;
+    __m256 scale;
+    if (layout == L_INT8) {
+        const uint8_t *blk = row + 32 * b;
+        PREFETCH_ROW(blk);
+        const __m256i q0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk));
+        const __m256i q1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        if (half) {
+            const __m256i *xb = (const __m256i *)x;
+            const __m256i p0 = _mm256_madd_epi16(_mm256_sub_epi16(q0, _mm256_set1_epi16(zr[2 * b])),
+                                                 _mm256_loadu_si256(xb));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(sf[2 * b] * xs[b]), *acc);
+            p = _mm256_madd_epi16(_mm256_sub_epi16(q1, _mm256_set1_epi16(zr[2 * b + 1])), _mm256_loadu_si256(xb + 1));
+            scale = _mm256_set1_ps(sf[2 * b + 1] * xs[b]);
+        } else {
+            const __m256i z = _mm256_set1_epi16(zr[gi]);
+            p = madd2(_mm256_sub_epi16(q0, z), _mm256_sub_epi16(q1, z), x);
+            scale = _mm256_set1_ps(sf[gi] * xs[b]);
+        }
+    } else {
+        PREFETCH_ROW(row + 16 * b);
+        __m256i q[2];
+        if (layout == L_INT4) {
+            nibbles32(row + 16 * b, q);
+            const __m256i z = half ? halves16(zr[2 * b], zr[2 * b + 1]) : _mm256_set1_epi16(zr[gi]);
+            p = madd2(_mm256_sub_epi16(q[0], z), _mm256_sub_epi16(q[1], z), x);
+            scale = half ? halves(sf[2 * b] * xs[b], sf[2 * b + 1] * xs[b]) : _mm256_set1_ps(sf[gi] * xs[b]);
+        } else if (layout == L_MXFP4) { /* the 1/2 of the doubled E2M1 values goes into the scale */
+            e2m1x2_32(row + 16 * b, q);
+            p = madd2(q[0], q[1], x);
+            scale = _mm256_set1_ps(E8M0[s8[b]] * 0.5f * xs[b]);
+        } else {
+            e2m1x2_32(row + 16 * b, q);
+            p = madd2(q[0], q[1], x);
+            const float s = w->global * 0.5f * xs[b];
+            scale = halves(E4M3[s8[2 * b]] * s, E4M3[s8[2 * b + 1]] * s);
+        }
+    }
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, *acc);
+}
+
+/* One row times one token of quantized x (xq, scales xs): blocks alternate between two
+ * accumulators (even / odd block of each group), walked group by group so that a group's
+ * zero point and scale are read once, then a0 + a1 and a fixed horizontal sum. */
+INLINE float dot_blocks(const qweight *w, int64_t r, const int16_t *xq, const float *xs, const int layout,
+                        const int half) {
+    const int64_t nb = w->k / 32, ng = w->k / w->g;
+    const int64_t per = (layout == L_INT4 || layout == L_INT8) && !half ? w->g / 32 : nb; /* blocks a group */
+    const uint8_t *row = w->q + r * w->row_bytes, *zr = w->zeros ? w->zeros + r * ng : 0;
+    const void *scales = layout == L_INT4 || layout == L_INT8 ? (const void *)((const float *)w->scales + r * ng)
+                                                               : (const void *)((const uint8_t *)w->scales + r * ng);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t gi = 0, b = 0; b < nb; gi++) {
+        const int64_t end = b + per;
+        for (; b + 2 <= end; b += 2) {
+            block_step(w, row, zr, scales, b, gi, xq, xs, layout, half, &a0);
+            block_step(w, row, zr, scales, b + 1, gi, xq, xs, layout, half, &a1);
+        }
+        if (b < end) block_step(w, row, zr, scales, b++, gi, xq, xs, layout, half, &a0);
+    }
+    return hsum(_mm256_add_ps(a0, a1));
+}
+
+static float dot_int4(const qweight *w, int64_t r, const int16_t *xq, const float *xs) {
+    return w->g == 16 ? dot_blocks(w, r, xq, xs, L_INT4, 1) : dot_blocks(w, r, xq, xs, L_INT4, 0);
+}
+static float dot_int8(const qweight *w, int64_t r, const int16_t *xq, const float *xs) {
+    return w->g == 16 ? dot_blocks(w, r, xq, xs, L_INT8, 1) : dot_blocks(w, r, xq, xs, L_INT8, 0);
+}
+static float dot_mxfp4(const qweight *w, int64_t r, const int16_t *xq, const float *xs) {
+    return dot_blocks(w, r, xq, xs, L_MXFP4, 0);
+}
+static float dot_nvfp4(const qweight *w, int64_t r, const int16_t *xq, const float *xs) {
+    return dot_blocks(w, r, xq, xs, L_NVFP4, 0);
 }
 
 /* ---- one row decoded to f32 (the reference's value: one rounding of quant * scale) ---- */
@@ -244,24 +319,47 @@ static void decode_nvfp4(const qweight *w, int64_t r, float *out) {
 /* ---- the thread split and the entry points ---- */
 
 typedef float (*dot_fn)(const qweight *w, int64_t r, const float *x);
+typedef float (*qdot_fn)(const qweight *w, int64_t r, const int16_t *xq, const float *xs);
 typedef void (*decode_fn)(const qweight *w, int64_t r, float *out);
 
-static void gemv(const qweight *w, dot_fn dot, const float *x, int64_t xs, const float *bias, float *y,
-                 int64_t t, int threads) {
+/* The quantized x, on the stack up to XQ_STACK_BYTES (every decode step of a small model). */
+#define XQ_STACK_BYTES (16 << 10)
+
+/* y = x W^T (+ bias) with `dot` (f32 activations) or `qdot` (x quantized per block of 32
+ * first, in the nibble order when deint): rows in work items handed out dynamically. If
+ * the quantized x cannot be allocated, y is NaN. */
+static void gemv(const qweight *w, dot_fn dot, qdot_fn qdot, int deint, const float *x, int64_t xs,
+                 const float *bias, float *y, int64_t t, int threads) {
     tables();
-    const int64_t n = w->n, per = CHUNK_BYTES / (w->row_bytes > 0 ? w->row_bytes : 1);
+    const int64_t n = w->n, k = w->k, nb = qdot ? k / 32 : 0, per = CHUNK_BYTES / (w->row_bytes > 0 ? w->row_bytes : 1);
     const int64_t rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
     int nth = threads < items ? threads : (int)items;
     nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
-#pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t r1 = (i + 1) * rows < n ? (i + 1) * rows : n;
-        for (int64_t r = i * rows; r < r1; r++)
-            for (int64_t j = 0; j < t; j++) {
-                const float s = dot(w, r, x + j * xs);
-                y[j * n + r] = bias ? s + bias[r] : s;
-            }
+    const size_t bytes = (size_t)(t * nb) * (32 * sizeof(int16_t) + sizeof(float));
+    _Alignas(32) unsigned char stack[XQ_STACK_BYTES];
+    unsigned char *buf = bytes <= sizeof stack ? stack : malloc(bytes);
+    if (!buf) {
+        for (int64_t i = 0; i < t * n; i++) y[i] = NAN;
+        return;
     }
+    int16_t *xq = (int16_t *)buf;
+    float *xsc = (float *)(buf + (size_t)(t * nb) * 32 * sizeof(int16_t));
+#pragma omp parallel num_threads(nth)
+    {
+#pragma omp for schedule(static) /* ends with a barrier: x is quantized before any row */
+        for (int64_t i = 0; i < t * nb; i++) /* block i: token i / nb, columns 32 * (i % nb) */
+            quantize_block(x + i / nb * xs + i % nb * 32, xq + 32 * i, xsc + i, deint);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t r1 = (i + 1) * rows < n ? (i + 1) * rows : n;
+            for (int64_t r = i * rows; r < r1; r++)
+                for (int64_t j = 0; j < t; j++) {
+                    const float s = qdot ? qdot(w, r, xq + j * k, xsc + j * nb) : dot(w, r, x + j * xs);
+                    y[j * n + r] = bias ? s + bias[r] : s;
+                }
+        }
+    }
+    if (buf != stack) free(buf);
 }
 
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
@@ -275,13 +373,14 @@ static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float
 
 /* zllm_qgemv_<layout>(parts..., x, xs, bias | NULL, y, T, N, K, threads): x [T, K] with row
  * stride xs (elements), y [T, N] contiguous. zllm_qdecode_<layout>(parts..., N, K, r0, r1,
- * out, threads): rows [r0, r1) as f32 into out [r1 - r0, K]. The group / block columns
- * (g, bk) of int4_g / int8_g are a multiple of 16 (the Python side checks). */
+ * out, threads): rows [r0, r1) as f32 into out [r1 - r0, K]. int4_g / int8_g / mxfp4 / nvfp4:
+ * K a multiple of 32, and the group size g of int4_g / int8_g a multiple of 32 or 16 (the
+ * Python side checks). */
 
 void zllm_qgemv_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, const float *x, int64_t xs,
                     const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scale, 0, 0.0f, n, k, bk, bn, k};
-    gemv(&w, dot_fp8, x, xs, bias, y, t, threads);
+    gemv(&w, dot_fp8, 0, 0, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, int64_t n, int64_t k,
                       int64_t r0, int64_t r1, float *out, int threads) {
@@ -289,12 +388,12 @@ void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t 
     decode(&w, decode_fp8, r0, r1, out, threads);
 }
 
-#define INT_ENTRIES(NAME, ROW_BYTES)                                                            \
+#define INT_ENTRIES(NAME, ROW_BYTES, DEINT)                                                          \
 void zllm_qgemv_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,      \
                        const float *x, int64_t xs, const float *bias, float *y, int64_t t,          \
                        int64_t n, int64_t k, int threads) {                                         \
     const qweight w = {q, scales, zeros, 0.0f, n, k, g, 1, ROW_BYTES};                              \
-    gemv(&w, dot_##NAME, x, xs, bias, y, t, threads);                                               \
+    gemv(&w, 0, dot_##NAME, DEINT, x, xs, bias, y, t, threads);                                               \
 }                                                                                                   \
 void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,    \
                          int64_t n, int64_t k, int64_t r0, int64_t r1, float *out, int threads) {   \
@@ -302,13 +401,13 @@ void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *z
     decode(&w, decode_##NAME, r0, r1, out, threads);                                                \
 }
 
-INT_ENTRIES(int4, k / 2)
-INT_ENTRIES(int8, k)
+INT_ENTRIES(int4, k / 2, 1)
+INT_ENTRIES(int8, k, 0)
 
 void zllm_qgemv_mxfp4(const uint8_t *q, const uint8_t *scales, const float *x, int64_t xs, const float *bias,
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, 0.0f, n, k, 32, 1, k / 2};
-    gemv(&w, dot_mxfp4, x, xs, bias, y, t, threads);
+    gemv(&w, 0, dot_mxfp4, 1, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int64_t k, int64_t r0, int64_t r1,
                         float *out, int threads) {
@@ -319,7 +418,7 @@ void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int6
 void zllm_qgemv_nvfp4(const uint8_t *q, const uint8_t *scales, float global, const float *x, int64_t xs,
                       const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, global, n, k, 16, 1, k / 2};
-    gemv(&w, dot_nvfp4, x, xs, bias, y, t, threads);
+    gemv(&w, 0, dot_nvfp4, 1, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_nvfp4(const uint8_t *q, const uint8_t *scales, float global, int64_t n, int64_t k, int64_t r0,
                         int64_t r1, float *out, int threads) {

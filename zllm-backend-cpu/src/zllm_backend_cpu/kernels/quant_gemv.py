@@ -18,13 +18,20 @@ A weight arrives as its named parts (the kernel layouts of issue #14):
   bits), ``global_scale`` f32 0-d.
 
 Decode steps (``T <= GEMV_MAX_TOKENS``) take the GEMV, which streams the quantized bytes once
-and decodes them in registers (E4M3 through F16C, E2M1 through a 16-entry byte shuffle); more
-tokens (prefill) decode :data:`~.linear.TILE_BYTES` of rows at a time natively into one reused
-f32 buffer and multiply it with ``torch.mm`` — measured against a native blocked GEMM in
-``bench/quant_gemv.py`` (see bench/README.md). Activations are f32; products are f32 with
-exactly decoded quants, so results differ from the f32 reference (dequantize, then
-``x @ W^T``) by rounding only (~1e-6 relative), and each output row is computed in an order
-that depends only on the layout and ``K`` (batch-invariant for any ``T`` in the GEMV).
+and decodes them in registers; more tokens (prefill) decode :data:`~.linear.TILE_BYTES` of rows
+at a time natively into one reused f32 buffer and multiply it with ``torch.mm`` (the Q8_0 path's
+scheme; ``bench/quant_gemv.py`` compares the two). Activations are f32 in and out.
+
+Numerics (``csrc/quant_gemv.c``): ``fp8_e4m3`` multiplies exactly decoded weights (E4M3 through
+F16C) with f32 activations, so it differs from the f32 reference (dequantize, then
+``x @ W^T``) by rounding only (~1e-6 relative). The integer and FP4 layouts quantize ``x``
+once per call to int16 per block of 32 in-features, as the GGUF GEMV does
+(``s_b = max|x_b| / 32767``), and take exact integer dot products with ``q - zero`` or twice
+the E2M1 value: ``|y - y_ref| <= sum_b (s_b / 2) * sum_(i in b) |w_i|`` plus f32 rounding,
+about 1e-5 relative. Each output row is computed in an order that depends only on the layout
+and ``K``: batch-invariant for any ``T`` in the GEMV. The GEMV needs ``K`` a multiple of 32 (and
+an int group size that is a multiple of 32, or 16) except for ``fp8_e4m3``; other shapes take
+the tiled path at every ``T``.
 """
 
 from __future__ import annotations
@@ -66,8 +73,9 @@ def weight_shape(fmt: str, parts: Mapping[str, torch.Tensor]) -> tuple[int, int]
     return n, cols if fmt in ("fp8_e4m3", "int8_g") else 2 * cols
 
 
-def _weight_args(fmt: str, parts: Mapping[str, torch.Tensor], block: tuple[int, int] | None) -> tuple:
-    """The C weight arguments of ``fmt`` (pointers into ``parts``), after checking the parts.
+def _weight_args(fmt: str, parts: Mapping[str, torch.Tensor], block: tuple[int, int] | None, gemv: bool) -> tuple:
+    """The C weight arguments of ``fmt`` (pointers into ``parts``), after checking the parts
+    (and, for the GEMV, that ``K`` and the group size suit its 32-column blocks).
 
     Raises:
         ValueError: a layout, part, dtype or shape the native kernels do not take (naming it).
@@ -97,13 +105,15 @@ def _weight_args(fmt: str, parts: Mapping[str, torch.Tensor], block: tuple[int, 
     if fmt in _INT_BITS:
         groups = parts["scales"].shape[-1]
         g = k // groups if groups and k % groups == 0 else 0
-        if g % 16:
-            raise ValueError(f"{fmt}: native kernels need a group size that is a multiple of 16, got K={k} "
-                             f"in {groups} groups")
+        if g == 0 or (gemv and (k % 32 or not (g % 32 == 0 or g == 16))):
+            raise ValueError(f"{fmt}: the native GEMV needs K a multiple of 32 and a group size that is a "
+                             f"multiple of 32 or 16, got K={k} in {groups} groups")
         scales = part("scales", torch.float32, (n, groups))
         zeros = part("zeros", torch.uint8, (n, groups))
         return q.data_ptr(), scales.data_ptr(), zeros.data_ptr(), g
     group = 32 if fmt == "mxfp4" else 16
+    if gemv and k % 32:
+        raise ValueError(f"{fmt}: the native GEMV needs K a multiple of 32, got {k}")
     scales = part("scales", torch.uint8, (n, k // group))
     if fmt == "mxfp4":
         return q.data_ptr(), scales.data_ptr()
@@ -125,7 +135,7 @@ def quant_gemv(x: torch.Tensor, fmt: str, parts: Mapping[str, torch.Tensor], bia
         RuntimeError: the native library is unavailable.
         ValueError: see :func:`_weight_args`.
     """
-    args = _weight_args(fmt, parts, block)
+    args = _weight_args(fmt, parts, block, gemv=True)
     n, k = weight_shape(fmt, parts)
     t, xk = x.shape
     assert xk == k and x.dtype == torch.float32 and (bias is None or tuple(bias.shape) == (n,)), (
@@ -150,7 +160,7 @@ def decode_rows(fmt: str, parts: Mapping[str, torch.Tensor], start: int, stop: i
 
     Raises as :func:`quant_gemv`.
     """
-    args = _weight_args(fmt, parts, block)
+    args = _weight_args(fmt, parts, block, gemv=False)
     n, k = weight_shape(fmt, parts)
     assert 0 <= start <= stop <= n, (start, stop, n)
     out = torch.empty(stop - start, k) if out is None else out
@@ -160,14 +170,22 @@ def decode_rows(fmt: str, parts: Mapping[str, torch.Tensor], start: int, stop: i
     return out
 
 
+def _gemv_fits(fmt: str, parts: Mapping[str, torch.Tensor], k: int) -> bool:
+    """Whether the GEMV takes this shape (module doc): its 32-column blocks and int groups."""
+    if fmt == "fp8_e4m3":
+        return True
+    g = k // max(1, parts["scales"].shape[-1]) if fmt in _INT_BITS else 32
+    return k % 32 == 0 and (g % 32 == 0 or g == 16)
+
+
 def quant_linear(x: torch.Tensor, fmt: str, parts: Mapping[str, torch.Tensor], bias: torch.Tensor | None, *,
                  block: tuple[int, int] | None = None) -> torch.Tensor:
-    """``x @ W^T + b``: :func:`quant_gemv` for ``T <= GEMV_MAX_TOKENS``, else row tiles decoded
+    """``x @ W^T + b``: :func:`quant_gemv` for ``T <= GEMV_MAX_TOKENS`` (and shapes it takes), else row tiles decoded
     by :func:`decode_rows` into one reused f32 buffer, each multiplied with ``torch.mm``;
     arguments and result as :func:`quant_gemv`."""
-    if x.shape[0] <= GEMV_MAX_TOKENS:
-        return quant_gemv(x, fmt, parts, bias, block=block)
     n, k = weight_shape(fmt, parts)
+    if x.shape[0] <= GEMV_MAX_TOKENS and _gemv_fits(fmt, parts, k):
+        return quant_gemv(x, fmt, parts, bias, block=block)
     assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == k, (x.shape, x.dtype, (n, k))
     x_t = _permuted(x, parts).t()  # [K, T]
     rows = min(n, _tile_rows(k))
