@@ -41,34 +41,35 @@ LAYOUTS = {"fp8_e4m3": "q8_0", "int8_g": "q8_0", "int4_g": "q4_0", "mxfp4": "q4_
 GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 
 
-def random_weight(fmt: str, n: int, k: int) -> tuple[dict[str, torch.Tensor] | QuantizedTensor, int]:
-    """A random ``fmt`` weight ``[N, K]`` and its bytes."""
+def random_weight(fmt: str, n: int, k: int) -> QuantizedTensor:
+    """A random ``fmt`` weight ``[N, K]`` (int groups and FP8 blocks of :data:`GROUP`)."""
     def u8(*shape: int) -> torch.Tensor:
         return torch.randint(0, 256, shape, dtype=torch.uint8)
 
     if fmt in GGUF_BLOCK_BYTES:
         raw = u8(n, k // 32, GGUF_BLOCK_BYTES[fmt])
         raw[..., :2] = (torch.rand(n, k // 32, 1) / 100).half().view(torch.uint8)
-        w = QuantizedTensor(raw.view(n, -1), fmt, (n, k))
-        return w, w.nbytes
+        return QuantizedTensor(raw.view(n, -1), fmt, (n, k))
     if fmt == "fp8_e4m3":
         q = u8(n, k) & 0x77  # finite, moderate values
-        parts = {"qweight": q, "scale": torch.rand(-(-n // GROUP), -(-k // GROUP))}
-    elif fmt in ("int4_g", "int8_g"):
+        return QuantizedTensor({"qweight": q, "scale": torch.rand(-(-n // GROUP), -(-k // GROUP))}, fmt, (n, k),
+                               block=(GROUP, GROUP))
+    if fmt in ("int4_g", "int8_g"):
         parts = {"qweight": u8(n, k // 2 if fmt == "int4_g" else k), "scales": torch.rand(n, k // GROUP),
                  "zeros": u8(n, k // GROUP) & (15 if fmt == "int4_g" else 255)}
-    elif fmt == "mxfp4":
-        parts = {"qweight": u8(n, k // 2), "scales": torch.randint(115, 125, (n, k // 32), dtype=torch.uint8)}
-    else:
-        parts = {"qweight": u8(n, k // 2), "scales": torch.full((n, k // 16), 0x38, dtype=torch.uint8),
-                 "global_scale": torch.tensor(0.01)}
-    return parts, sum(p.numel() * p.element_size() for p in parts.values())
+        return QuantizedTensor(parts, fmt, (n, k), block=(1, GROUP))
+    if fmt == "mxfp4":
+        scales = torch.randint(115, 125, (n, k // 32), dtype=torch.uint8)
+        return QuantizedTensor({"qweight": u8(n, k // 2), "scales": scales}, fmt, (n, k))
+    return QuantizedTensor({"qweight": u8(n, k // 2), "scales": torch.full((n, k // 16), 0x38, dtype=torch.uint8),
+                            "global_scale": torch.tensor(0.01)}, fmt, (n, k))
 
 
-def run_linear(fmt: str, w, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(w, QuantizedTensor):
+def run_linear(w: QuantizedTensor, x: torch.Tensor) -> torch.Tensor:
+    """The CPU backend's priority-1 ``linear`` for the weight's format."""
+    if w.fmt in GGUF_BLOCK_BYTES:
         return gemv.linear_gemv(x, w, None)
-    return quant.quant_linear(x, fmt, w, None, block=(GROUP, GROUP) if fmt == "fp8_e4m3" else None)
+    return quant.linear_quant_gemv(x, w, None)
 
 
 def read_gb_s(nbytes: int, repeats: int = 5) -> float:
@@ -87,16 +88,16 @@ def measure(fmt: str, layers: int, repeats: int, prefill: int) -> dict:
     weights, nbytes = [], 0
     for _ in range(layers):
         for n, k in SHAPES:
-            w, b = random_weight(fmt, n, k)
+            w = random_weight(fmt, n, k)
             weights.append((w, k))
-            nbytes += b
+            nbytes += w.nbytes
     xs = {k: torch.randn(1, k) for k in (HIDDEN, FFN)}
     limit_gb_s = read_gb_s(nbytes)
 
     def token() -> float:
         t0 = time.perf_counter()
         for w, k in weights:
-            run_linear(fmt, w, xs[k])
+            run_linear(w, xs[k])
         return time.perf_counter() - t0
 
     token()  # warm-up
@@ -113,7 +114,7 @@ def measure(fmt: str, layers: int, repeats: int, prefill: int) -> dict:
         for _ in range(3):
             t0 = time.perf_counter()
             for w, k in one_layer:
-                run_linear(fmt, w, xp[k])
+                run_linear(w, xp[k])
             ptimes.append(time.perf_counter() - t0)
         row["prefill_tok_s"] = prefill / statistics.median(ptimes) / layers
     return row

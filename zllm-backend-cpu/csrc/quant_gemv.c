@@ -11,7 +11,7 @@
  *   mxfp4:    q uint8 [N, K / 2] (low nibble = even column), scales uint8 [N, K / 32] (E8M0):
  *             w = E2M1(nibble) * 2^(scale - 127).
  *   nvfp4:    q uint8 [N, K / 2], scales uint8 [N, K / 16] (E4M3FN bits), one f32 global
- *             scale: w = E2M1(nibble) * e4m3(scale) * global.
+ *             scale: w = E2M1(nibble) * (e4m3(scale) * global).
  *
  * FP8 (f32 activations): E4M3FN -> f16 bits: sign << 15 | (byte & 0x7F) << 7 is the same
  * number times 2^-8 (normal and subnormal alike: the exponent bias goes from 7 to 15),
@@ -65,7 +65,7 @@ typedef struct {
 /* ---- scalar tables, filled once ---- */
 
 static float E4M3[256];  /* E4M3FN byte -> value (NaN bytes -> NaN) */
-static float E8M0[256];  /* E8M0 byte -> 2^(b - 127) (255 -> NaN) */
+static float E8M0[256];  /* E8M0 byte -> 2^(b - 127) */
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -74,7 +74,7 @@ static void fill_tables(void) {
         const int e = (b >> 3) & 15, m = b & 7;
         const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
         E4M3[b] = (b & 0x7F) == 0x7F ? NAN : (b & 0x80 ? -v : v);
-        E8M0[b] = b == 255 ? NAN : ldexpf(1.0f, b - 127);
+        E8M0[b] = ldexpf(1.0f, b - 127); /* 255 -> inf, as transformers' ldexp decode */
     }
 }
 
@@ -277,7 +277,7 @@ static float dot_nvfp4(const qweight *w, int64_t r, const int16_t *xq, const flo
     return dot_blocks(w, r, xq, xs, L_NVFP4, 0);
 }
 
-/* ---- one row decoded to f32 (the reference's value: one rounding of quant * scale) ---- */
+/* ---- one row decoded to f32, as the reference zllm.domain.quant_hf computes it ---- */
 
 static void decode_fp8(const qweight *w, int64_t r, float *out) {
     const int64_t k = w->k, sk = (k + w->g - 1) / w->g;
@@ -313,7 +313,7 @@ static void decode_nvfp4(const qweight *w, int64_t r, float *out) {
     const int64_t k = w->k;
     const uint8_t *row = w->q + r * w->row_bytes, *sc = (const uint8_t *)w->scales + r * (k / 16);
     for (int64_t c = 0; c < k; c++)
-        out[c] = E2M1[c & 1 ? row[c / 2] >> 4 : row[c / 2] & 15] * E4M3[sc[c / 16]] * w->global;
+        out[c] = E2M1[c & 1 ? row[c / 2] >> 4 : row[c / 2] & 15] * (E4M3[sc[c / 16]] * w->global);
 }
 
 /* ---- the thread split and the entry points ---- */

@@ -11,6 +11,7 @@ import pytest
 import torch
 from triton_cases import build, random_q8_0
 
+from zllm.conformance import quantizers
 from zllm.conformance.cases import cases_for
 from zllm.domain.activation import silu_mul as ref_silu_mul
 from zllm.domain.attention import attention as ref_attention
@@ -28,6 +29,7 @@ EXPECTED = {
     ("rms_norm", "f32"), ("add_rms_norm", "f32"), ("rope", "neox"), ("rope", "gptj"), ("silu_mul", "f32"),
     ("attention", "paged"), ("attention_sliding", "paged"), ("linear", "q8_0"),
     ("moe", "f32"), ("moe", "f16"), ("moe", "bf16"), ("moe", "q8_0"), ("mla_attention", "paged"),
+    *(("linear", fmt) for fmt in ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")),
 }
 
 
@@ -47,6 +49,10 @@ def op_inputs(op: str, variant: str, g: torch.Generator):
         case = cases_for(op, variant, seed=0, quick=True)[0]
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
         return case.args, (ref_moe if op == "moe" else ref_mla)(*args)
+    if op == "linear" and variant != "q8_0":
+        wq = quantizers.quantize(torch.randn(5, 64, generator=g), variant)
+        xq = torch.randn(3, 64, generator=g)
+        return (xq, wq, None), ref_linear(xq, wq, None)
     if op == "linear":
         q8 = random_q8_0(5, 64, g)
         xq = torch.randn(3, 64, generator=g)

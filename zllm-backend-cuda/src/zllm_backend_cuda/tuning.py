@@ -44,4 +44,5 @@ CUDA_TUNING = Tuning(
     linear_block_m=16, linear_block_n=64, linear_block_k=128, linear_num_warps=4, linear_num_stages=3,
     moe_block_m=16, moe_block_n=64, moe_block_k=128, moe_num_warps=4, moe_num_stages=3,
     mla_block_h=16, mla_block_n=32, mla_num_warps=4, mla_num_stages=2,
+    fp8_convert="bits",  # sm_80 has no FP8 conversion; "e4m3fn" needs sm_89 and a device check
 )

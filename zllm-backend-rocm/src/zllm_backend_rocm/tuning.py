@@ -24,4 +24,5 @@ ROCM_TUNING = Tuning(name="rocm", dot_precision="ieee", norm_num_warps=4, rope_b
                      decode_block_n=_LANE_TILE, prefill_block_m=_LANE_TILE, prefill_block_n=_LANE_TILE,
                      linear_block_n=_LANE_TILE, linear_block_k=_LANE_TILE, linear_num_stages=2,
                      moe_block_m=16, moe_block_n=_LANE_TILE, moe_block_k=_LANE_TILE, moe_num_stages=2,
-                     mla_block_h=16, mla_block_n=32, mla_num_stages=2)
+                     mla_block_h=16, mla_block_n=32, mla_num_stages=2,
+                     fp8_convert="bits")  # CDNA3's own FP8 is E4M3FNUZ, not the checkpoints' E4M3FN

@@ -22,6 +22,7 @@ OPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention", ("paged",), "attention:attention"),
     ("attention_sliding", ("paged",), "attention:attention_sliding"),
     ("linear", ("q8_0",), "quant_matmul:linear_q8_0"),
+    ("linear", ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4"), "quant_hf:linear_quant_hf"),
     ("moe", ("f32", "f16", "bf16", "q8_0"), "moe:moe"),
     ("mla_attention", ("paged",), "mla:mla_attention"),
 )

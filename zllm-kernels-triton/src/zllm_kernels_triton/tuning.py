@@ -47,6 +47,17 @@ def _dot_precision(instance: object, attribute: attrs.Attribute, value: str) -> 
         raise ValueError(f"Tuning.{attribute.name} = {value!r} is not one of {', '.join(DOT_PRECISIONS)}")
 
 
+#: How the kernels turn E4M3FN bytes into f32 (:attr:`Tuning.fp8_convert`): ``bits`` by integer
+#: arithmetic (any device, the interpreter included); ``e4m3fn`` by the device's own FP8
+#: conversion (``tl.float8e4nv``; NVIDIA from sm_89).
+FP8_CONVERTS = ("bits", "e4m3fn")
+
+
+def _fp8_convert(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in FP8_CONVERTS:
+        raise ValueError(f"Tuning.{attribute.name} = {value!r} is not one of {', '.join(FP8_CONVERTS)}")
+
+
 def _block(default: int) -> Any:
     """A power-of-two field (tile sizes, warps)."""
     return attrs.field(default=default, validator=_power_of_two)
@@ -104,6 +115,10 @@ class Tuning:
         mla_block_h: query heads per MLA decode program (heads share every latent row read).
         mla_block_n: cached latent rows per step of MLA decode (may span cache blocks).
         mla_num_warps, mla_num_stages: MLA decode launch settings.
+        fp8_convert: how the FP8 weights' E4M3FN bytes become f32, one of
+            :data:`FP8_CONVERTS`: declared per device, never guessed (ROCm's native FP8 on
+            CDNA3 is E4M3FNUZ, another format). The linear kernels of the HF checkpoints'
+            formats (``linear[fp8_e4m3]``, ``linear[nvfp4]``'s scales) use it.
     """
 
     name: str = "default"
@@ -139,3 +154,4 @@ class Tuning:
     mla_block_n: int = _block(32)
     mla_num_warps: int = _block(4)
     mla_num_stages: int = _count(2)
+    fp8_convert: str = attrs.field(default="bits", validator=_fp8_convert)

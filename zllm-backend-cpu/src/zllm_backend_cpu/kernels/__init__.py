@@ -35,6 +35,8 @@ DENSE = tuple(DTYPE_OF_FORMAT)
 QUANT_FORMATS = tuple(FORMATS)
 # native GEMV (.gemv): one zllm_gemv_<format> each (csrc/gemv.c)
 GEMV_FORMATS = (*DENSE, "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# native GEMV + row-tile decode of the HF checkpoints' formats (.quant_gemv, csrc/quant_gemv.c)
+QUANT_GEMV_FORMATS = ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")
 
 KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("embedding", DENSE, f"{_PKG}.linear:embedding_dense"),
@@ -72,6 +74,7 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
 #: library loads.
 NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", GEMV_FORMATS, f"{_PKG}.gemv:linear_gemv"),
+    ("linear", QUANT_GEMV_FORMATS, f"{_PKG}.quant_gemv:linear_quant_gemv"),
     ("rms_norm", ("f32",), f"{_PKG}.elementwise:rms_norm"),
     ("add_rms_norm", ("f32",), f"{_PKG}.elementwise:add_rms_norm"),
     ("rope", ("neox",), f"{_PKG}.elementwise:rope"),
@@ -80,7 +83,7 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention", ("paged",), f"{_PKG}.paged_attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
     ("mla_attention", ("paged",), f"{_PKG}.paged_mla:mla_attention"),
-    ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv"),
+    ("moe", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_gemv"),
 ]
 
 #: Ops of :data:`NATIVE_KERNELS` whose kernels are batch-invariant (each row alone, in a fixed

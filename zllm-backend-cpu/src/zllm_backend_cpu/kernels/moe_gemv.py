@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from zllm.plugin_api import format_of
-from zllm_backend_cpu.kernels import elementwise, gemv
+from zllm_backend_cpu.kernels import elementwise, gemv, quant_gemv
 from zllm_backend_cpu.kernels.moe import Linear, Weight, moe_kernel, torch_linear, torch_linear_invariant
 
 
@@ -28,7 +28,18 @@ def _gemv_or(native: Linear, fallback: Linear) -> Linear:
     return linear
 
 
-_LINEAR = _gemv_or(gemv.linear_gemv, torch_linear)
+_GEMV_OR_TORCH = _gemv_or(gemv.linear_gemv, torch_linear)
+
+
+def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The HF checkpoints' formats through :mod:`.quant_gemv` (its GEMV, or its native tile
+    decode + ``torch.mm``), the others as :func:`_gemv_or`."""
+    if format_of(weight) in quant_gemv.LAYOUTS:
+        return quant_gemv.linear_quant_gemv(x, weight, bias)  # type: ignore[arg-type]
+    return _GEMV_OR_TORCH(x, weight, bias)
+
+
+_LINEAR = _linear
 _LINEAR_INVARIANT = _gemv_or(gemv.linear_gemv_invariant, torch_linear_invariant)
 
 
