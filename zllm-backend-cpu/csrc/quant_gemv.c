@@ -188,7 +188,7 @@ INLINE __m256i madd2(__m256i q0, __m256i q1, const int16_t *x) {
                             _mm256_madd_epi16(q1, _mm256_loadu_si256(xb + 1)));
 }
 
-enum { L_INT4, L_INT8, L_MXFP4, L_NVFP4 };
+enum { L_INT4, L_INT8, L_MXFP4, L_NVFP4, L_FP8 };
 
 /* Block b (32 columns) of a row into *acc: the exact int32 lanes of (weight quant) * (x
  * quant), as f32, times the lanes' scales (weight scale * s_b), one FMA. gi: the block's
@@ -279,42 +279,74 @@ static float dot_nvfp4(const qweight *w, int64_t r, const int16_t *xq, const flo
 
 /* ---- one row decoded to f32, as the reference zllm.domain.quant_hf computes it ---- */
 
-static void decode_fp8(const qweight *w, int64_t r, float *out) {
-    const int64_t k = w->k, sk = (k + w->g - 1) / w->g;
-    const uint8_t *row = w->q + r * w->row_bytes;
-    const float *sc = (const float *)w->scales + r / w->bn * sk;
-    for (int64_t c = 0; c < k; c++) out[c] = E4M3[row[c]] * sc[c / w->g];
+/* The 16 nibbles of 8 bytes at p in column order (low nibble first), uint8 lanes. */
+INLINE __m128i nibbles16(const uint8_t *p) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
+    return _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 
-static void decode_int4(const qweight *w, int64_t r, float *out) {
-    const int64_t k = w->k, ng = k / w->g;
-    const uint8_t *row = w->q + r * w->row_bytes, *zr = w->zeros + r * ng;
-    const float *sc = (const float *)w->scales + r * ng;
-    for (int64_t c = 0; c < k; c++) {
-        const int q = c & 1 ? row[c / 2] >> 4 : row[c / 2] & 15;
-        out[c] = sc[c / w->g] * (float)(q - zr[c / w->g]);
+/* Columns c .. c + 15 of a row as f32 lanes before the group's scale: E4M3 values times 2^-8
+ * (fp8), q - z (int), twice the E2M1 values (fp4); the scale takes the factor back. */
+INLINE void cols16(const uint8_t *row, int64_t c, int z, const int layout, __m256 *lo, __m256 *hi) {
+    if (layout == L_FP8) {
+        fp8x16(row + c, lo, hi);
+        return;
+    }
+    if (layout == L_MXFP4 || layout == L_NVFP4) {
+        const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        const __m128i v = _mm_shuffle_epi8(table, nibbles16(row + c / 2));
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+        return;
+    }
+    const __m128i q = layout == L_INT4 ? nibbles16(row + c / 2) : _mm_loadu_si128((const __m128i *)(row + c));
+    const __m256i v = _mm256_sub_epi16(_mm256_cvtepu8_epi16(q), _mm256_set1_epi16((short)z));
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+/* One column's value before its scale (E4M3, q - z, E2M1), for the columns a 16-wide step leaves. */
+INLINE float col1(const uint8_t *row, int64_t c, int z, const int layout) {
+    if (layout == L_FP8) return E4M3[row[c]];
+    if (layout == L_INT8) return (float)(row[c] - z);
+    const int nib = c & 1 ? row[c / 2] >> 4 : row[c / 2] & 15;
+    return layout == L_INT4 ? (float)(nib - z) : E2M1[nib];
+}
+
+/* Row r, group by group: each value the reference's one rounding of (exact value) * scale
+ * (nvfp4's scale formed first as e4m3 * global, as the reference does); in the vector steps
+ * the scaled-down value times the scaled-up scale is the same real product, so the same f32. */
+INLINE void decode_row(const qweight *w, int64_t r, float *out, const int layout) {
+    const int64_t k = w->k, g = w->g, ng = (k + g - 1) / g;
+    const uint8_t *row = w->q + r * w->row_bytes;
+    const uint8_t *zr = w->zeros ? w->zeros + r * ng : 0, *s8 = (const uint8_t *)w->scales + r * ng;
+    const float *sf = (const float *)w->scales + (layout == L_FP8 ? r / w->bn : r) * ng;
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const int64_t c1 = (gi + 1) * g < k ? (gi + 1) * g : k;
+        const int z = zr ? zr[gi] : 0;
+        float s, vs; /* the group's scale, and the scale of the vector steps' values */
+        if (layout == L_FP8) s = sf[gi], vs = s * 256.0f;
+        else if (layout == L_INT4 || layout == L_INT8) s = sf[gi], vs = s;
+        else if (layout == L_MXFP4) s = E8M0[s8[gi]], vs = s * 0.5f;
+        else s = E4M3[s8[gi]] * w->global, vs = s * 0.5f;
+        int64_t c = gi * g;
+        if (layout != L_INT4 || c % 2 == 0)
+            for (; c + 16 <= c1; c += 16) {
+                __m256 lo, hi;
+                cols16(row, c, z, layout, &lo, &hi);
+                _mm256_storeu_ps(out + c, _mm256_mul_ps(lo, _mm256_set1_ps(vs)));
+                _mm256_storeu_ps(out + c + 8, _mm256_mul_ps(hi, _mm256_set1_ps(vs)));
+            }
+        for (; c < c1; c++) out[c] = layout == L_INT4 || layout == L_INT8 ? s * col1(row, c, z, layout)
+                                                                           : col1(row, c, z, layout) * s;
     }
 }
 
-static void decode_int8(const qweight *w, int64_t r, float *out) {
-    const int64_t k = w->k, ng = k / w->g;
-    const uint8_t *row = w->q + r * w->row_bytes, *zr = w->zeros + r * ng;
-    const float *sc = (const float *)w->scales + r * ng;
-    for (int64_t c = 0; c < k; c++) out[c] = sc[c / w->g] * (float)(row[c] - zr[c / w->g]);
-}
-
-static void decode_mxfp4(const qweight *w, int64_t r, float *out) {
-    const int64_t k = w->k;
-    const uint8_t *row = w->q + r * w->row_bytes, *sc = (const uint8_t *)w->scales + r * (k / 32);
-    for (int64_t c = 0; c < k; c++) out[c] = E2M1[c & 1 ? row[c / 2] >> 4 : row[c / 2] & 15] * E8M0[sc[c / 32]];
-}
-
-static void decode_nvfp4(const qweight *w, int64_t r, float *out) {
-    const int64_t k = w->k;
-    const uint8_t *row = w->q + r * w->row_bytes, *sc = (const uint8_t *)w->scales + r * (k / 16);
-    for (int64_t c = 0; c < k; c++)
-        out[c] = E2M1[c & 1 ? row[c / 2] >> 4 : row[c / 2] & 15] * (E4M3[sc[c / 16]] * w->global);
-}
+static void decode_fp8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_FP8); }
+static void decode_int4(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT4); }
+static void decode_int8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT8); }
+static void decode_mxfp4(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_MXFP4); }
+static void decode_nvfp4(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_NVFP4); }
 
 /* ---- the thread split and the entry points ---- */
 

@@ -90,7 +90,7 @@ def assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, w: QuantizedTe
     assert bool((err <= bound + rounding).all()), f"worst excess {float((err - bound - rounding).max()):.3g}"
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(case=st.sampled_from(CASES), t=st.integers(1, 3), n=st.integers(1, 40), k_units=st.integers(1, 6),
        bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_gemv_matches_the_reference_decode_of_every_format(case, t, n, k_units, bias, seed):
@@ -101,7 +101,7 @@ def test_gemv_matches_the_reference_decode_of_every_format(case, t, n, k_units, 
     assert_close_to_reference(kernels.quant_gemv(x, w, b), x, w, b)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(case=st.sampled_from(CASES), n=st.integers(1, 24), k_units=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_row_decode_equals_the_reference_decode_bit_for_bit(case, n, k_units, seed):
     g = torch.Generator().manual_seed(seed)
