@@ -8,13 +8,16 @@ from each layout's bytes per weight and vs the GGUF Q8_0 / Q4_0 kernels at the s
 One "token" is every linear of ``--layers`` decoder layers of ``llama-0.5b`` (hidden 1280, 20 /
 10 heads of 64, FFN 3328: q 1280x1280, k and v 640x1280, o 1280x1280, gate and up 3328x1280,
 down 1280x3328), one GEMV each with a fresh f32 activation row, weights random in their layout
-(speed does not depend on the values). Each layout's weights are built, timed ``--repeats``
-times after one warm-up pass, and freed before the next. Reported: the median tokens/s with
-min-max, the weight bytes read per token, GB/s, and the percentage of the bandwidth limit:
-``torch.sum`` over an f32 tensor of the same byte size (the best of 5, measured before each
-layout: the machine is shared and noisy, so medians and best-of are what is comparable).
-``--prefill T`` also times ``T`` tokens at once (the tiled decode + ``torch.mm`` path) per
-layout. Writes the table to stdout and ``bench/out/quant_gemv.json``.
+(speed does not depend on the values). Every layout's weights are built first; then each of
+``--repeats`` rounds times one token of every layout in turn (after one warm-up round), so a
+busy spell of the shared machine hits all layouts alike. Reported: the median tokens/s with
+min-max, the weight bytes read per token, GB/s, the percentage of the bandwidth limit
+(``torch.sum`` over an f32 tensor of the same byte size, best of 5 before and 5 after the
+rounds: the machine is shared and noisy, so medians and best-of are what is comparable), and
+the median over rounds of the per-round ratio to the GGUF format at the same bits. ``--prefill
+T`` also times ``T`` tokens at once through one layer (the tiled decode + ``torch.mm`` path),
+median of 3 interleaved rounds, scaled to the layer count. Writes the table to stdout and
+``bench/out/quant_gemv.json``.
 """
 
 from __future__ import annotations
@@ -84,40 +87,57 @@ def read_gb_s(nbytes: int, repeats: int = 5) -> float:
     return best / 1e9
 
 
-def measure(fmt: str, layers: int, repeats: int, prefill: int) -> dict:
-    weights, nbytes = [], 0
-    for _ in range(layers):
-        for n, k in SHAPES:
-            w = random_weight(fmt, n, k)
-            weights.append((w, k))
-            nbytes += w.nbytes
-    xs = {k: torch.randn(1, k) for k in (HIDDEN, FFN)}
-    limit_gb_s = read_gb_s(nbytes)
+def build(fmt: str, layers: int, shapes: list[tuple[int, int]]) -> tuple[list[tuple[QuantizedTensor, int]], int]:
+    """``layers`` layers of ``fmt`` weights of ``shapes`` as ``(weight, K)`` in call order, and their bytes."""
+    weights = [(random_weight(fmt, n, k), k) for _ in range(layers) for n, k in shapes]
+    return weights, sum(w.nbytes for w, _ in weights)
 
-    def token() -> float:
+
+def measure(layouts: list[str], layers: int, repeats: int, prefill: int,
+            shapes: list[tuple[int, int]] = SHAPES) -> dict[str, dict]:
+    """Interleaved timing of ``layouts`` on ``layers`` layers of ``shapes`` (``(N, K)`` of each
+    linear; module doc) -> ``{layout: row}``."""
+    built = {fmt: build(fmt, layers, shapes) for fmt in layouts}
+    sizes = {nbytes for _, nbytes in built.values()}
+    limit = {size: read_gb_s(size) for size in sizes}
+    xs = {k: torch.randn(1, k) for _, k in shapes}
+    xp = {k: torch.randn(prefill, k) for _, k in shapes}
+
+    def timed(weights: list[tuple[QuantizedTensor, int]], x: dict[int, torch.Tensor]) -> float:
         t0 = time.perf_counter()
         for w, k in weights:
-            run_linear(w, xs[k])
+            run_linear(w, x[k])
         return time.perf_counter() - t0
 
-    token()  # warm-up
-    times = [token() for _ in range(repeats)]
-    med = statistics.median(times)
-    weights_per_token = layers * sum(n * k for n, k in SHAPES)
-    row = {"layout": fmt, "bytes_per_token": nbytes, "bits_per_weight": 8 * nbytes / weights_per_token,
-           "tok_s": 1 / med, "tok_s_min": 1 / max(times), "tok_s_max": 1 / min(times), "gb_s": nbytes / med / 1e9,
-           "limit_gb_s": limit_gb_s, "pct_of_limit": 100 * nbytes / med / 1e9 / limit_gb_s}
-    if prefill:
-        xp = {k: torch.randn(prefill, k) for k in (HIDDEN, FFN)}
-        one_layer = weights[: len(SHAPES)]
-        ptimes = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for w, k in one_layer:
-                run_linear(w, xp[k])
-            ptimes.append(time.perf_counter() - t0)
-        row["prefill_tok_s"] = prefill / statistics.median(ptimes) / layers
-    return row
+    times: dict[str, list[float]] = {fmt: [] for fmt in layouts}
+    ptimes: dict[str, list[float]] = {fmt: [] for fmt in layouts}
+    for fmt in layouts:  # warm-up
+        timed(built[fmt][0], xs)
+    for _ in range(repeats):
+        for fmt in layouts:
+            times[fmt].append(timed(built[fmt][0], xs))
+    for _ in range(3 if prefill else 0):
+        for fmt in layouts:
+            ptimes[fmt].append(timed(built[fmt][0][: len(shapes)], xp) * layers)
+    limit = {size: max(gb_s, read_gb_s(size)) for size, gb_s in limit.items()}
+    rows = {}
+    weights_per_token = layers * sum(n * k for n, k in shapes)
+    for fmt in layouts:
+        nbytes, ts = built[fmt][1], times[fmt]
+        med = statistics.median(ts)
+        row = {"layout": fmt, "bytes_per_token": nbytes, "bits_per_weight": 8 * nbytes / weights_per_token,
+               "tok_s": 1 / med, "tok_s_min": 1 / max(ts), "tok_s_max": 1 / min(ts), "gb_s": nbytes / med / 1e9,
+               "limit_gb_s": limit[nbytes], "pct_of_limit": 100 * nbytes / med / 1e9 / limit[nbytes], "times_s": ts}
+        if prefill:
+            row["prefill_tok_s"] = prefill / statistics.median(ptimes[fmt])
+        peer = LAYOUTS.get(fmt)
+        if peer in times:  # per-round ratios: a busy spell slows both sides of a round
+            row["vs_peer"] = statistics.median(p / t for t, p in zip(ts, times[peer], strict=True))
+            if prefill:
+                pairs = zip(ptimes[fmt], ptimes[peer], strict=True)
+                row["prefill_vs_peer"] = statistics.median(p / t for t, p in pairs)
+        rows[fmt] = row
+    return rows
 
 
 def main() -> None:
@@ -130,19 +150,16 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "quant_gemv.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    rows = {}
-    for fmt in args.layouts.split(","):
-        rows[fmt] = measure(fmt, args.layers, args.repeats, args.prefill)
-        print(f"[quant_gemv] {fmt}: {rows[fmt]['tok_s']:.1f} tok/s", flush=True)
-    print(f"\n{args.layers} layers of llama-0.5b, batch-1 GEMV, {args.threads} threads, median of {args.repeats}\n")
+    rows = measure(args.layouts.split(","), args.layers, args.repeats, args.prefill)
+    print(f"\n{args.layers} layers of llama-0.5b, batch-1 GEMV, {args.threads} threads, median of {args.repeats} "
+          f"interleaved rounds\n")
     print("| layout | bits/weight | tok/s (min-max) | GB/s | % of BW limit | vs GGUF same bits "
           "| prefill tok/s | vs GGUF prefill |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for fmt, r in rows.items():
-        peer = rows.get(LAYOUTS.get(fmt) or "")
-        vs = f"{r['tok_s'] / peer['tok_s']:.2f}x {LAYOUTS[fmt]}" if peer else "—"
+        vs = f"{r['vs_peer']:.2f}x {LAYOUTS[fmt]}" if "vs_peer" in r else "—"
         pre = f"{r['prefill_tok_s']:.0f}" if "prefill_tok_s" in r else "—"
-        vs_pre = f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x" if peer and "prefill_tok_s" in r else "—"
+        vs_pre = f"{r['prefill_vs_peer']:.2f}x" if "prefill_vs_peer" in r else "—"
         print(f"| {fmt} | {r['bits_per_weight']:.2f} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}) "
               f"| {r['gb_s']:.1f} | {r['pct_of_limit']:.0f}% | {vs} | {pre} | {vs_pre} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,30 @@
+"""bench/quant_gemv.py: small layers of each kind of layout run through the backend's kernels, and
+the bytes it counts per token are the registry's bytes for those shapes (what the bandwidth
+limit is computed from)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from zllm.weights.formats import FORMATS
+from zllm_backend_cpu.kernels.native import unavailable_reason
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+from quant_gemv import GROUP, measure  # noqa: E402
+
+SHAPES = [(256, 256), (64, 256), (256, 128)]  # (N, K): a small layer, K a multiple of GROUP
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"native library: {unavailable_reason()}")
+def test_layers_run_and_count_the_registry_bytes():
+    rows = measure(["int4_g", "mxfp4", "q4_0"], layers=2, repeats=1, prefill=17, shapes=SHAPES)
+    for fmt, row in rows.items():
+        block = (1, GROUP) if fmt == "int4_g" else None
+        assert row["bytes_per_token"] == 2 * sum(FORMATS[fmt].nbytes((n, k), block) for n, k in SHAPES)
+        assert row["tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["limit_gb_s"] > 0
+    assert rows["mxfp4"]["vs_peer"] > 0 and "vs_peer" not in rows["q4_0"]
