@@ -133,11 +133,14 @@ def test_act_order_permutes_the_activations_in_gemv_and_prefill():
     assert_close_to_reference(kernels.linear_quant_gemv(x[:2], w, None), x[:2], w, None)
 
 
-def test_an_output_row_does_not_depend_on_the_other_tokens():
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_g", "nvfp4"])
+def test_the_invariant_kernel_gives_each_row_the_same_bits_for_any_row_count(fmt):
     g = torch.Generator().manual_seed(1)
-    w = random_weight("nvfp4", 33, 96, g)
-    x = torch.randn(5, 96, generator=g)
-    assert torch.equal(kernels.quant_gemv(x, w, None)[2:3], kernels.quant_gemv(x[2:3], w, None))
+    w = random_weight(fmt, 33, 96, g, (16, 32) if fmt == "fp8_e4m3" else None)
+    x = torch.randn(kernels.GEMV_MAX_TOKENS + 4, 96, generator=g)  # past the decode GEMV's row count
+    alone = torch.cat([kernels.linear_quant_gemv_invariant(x[i:i + 1], w, None) for i in range(x.shape[0])])
+    assert torch.equal(kernels.linear_quant_gemv_invariant(x, w, None), alone)
+    assert torch.equal(kernels.linear_quant_gemv_invariant(x[3:9], w, None), alone[3:9])
 
 
 def test_every_e4m3_byte_decodes_as_torch_float8_e4m3fn():

@@ -93,6 +93,7 @@ NATIVE_INVARIANT_AS_IS = frozenset({"rms_norm", "add_rms_norm", "rope", "silu_mu
 #: Batch-invariant native GEMV kernels, registered at priority -1 when the library loads.
 NATIVE_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", GEMV_FORMATS, f"{_PKG}.gemv:linear_gemv_invariant"),
+    ("linear", QUANT_GEMV_FORMATS, f"{_PKG}.quant_gemv:linear_quant_gemv_invariant"),
     ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv_invariant"),
 ]
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from zllm.plugin_api import QuantizedTensor
+from zllm_backend_cpu.kernels.invariant import linear_quant_invariant
 from zllm_backend_cpu.kernels.linear import _tile_rows
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
 
@@ -165,4 +166,14 @@ def linear_quant_gemv(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tens
     return out
 
 
-__all__ = ["GEMV_MAX_TOKENS", "LAYOUTS", "decode_rows", "gemv_fits", "linear_quant_gemv", "quant_gemv"]
+def linear_quant_gemv_invariant(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Batch-invariant ``x @ W^T + b``: :func:`quant_gemv` for every ``T`` (each output row in a fixed
+    order), or, for a weight it does not take, the torch kernel over fixed 16-row tiles
+    (:func:`~zllm_backend_cpu.kernels.invariant.linear_quant_invariant`); shapes as :func:`quant_gemv`."""
+    if gemv_fits(weight):
+        return quant_gemv(x, weight, bias)
+    return linear_quant_invariant(x, weight, bias)
+
+
+__all__ = ["GEMV_MAX_TOKENS", "LAYOUTS", "decode_rows", "gemv_fits", "linear_quant_gemv",
+           "linear_quant_gemv_invariant", "quant_gemv"]
