@@ -88,11 +88,13 @@ static void tables(void) {
 
 /* ---- FP8: 16 quants as two 8-lane f32 vectors (lo = columns 0..7, hi = 8..15) ---- */
 
-/* 16 E4M3FN bytes -> their values times 2^-8 (file comment). */
+/* 16 E4M3FN bytes -> their values times 2^-8 (file comment). The f16 bits in three
+ * operations: the byte sign-extended to 16 bits and shifted left by 7 holds the sign in bit
+ * 15, a copy of it in bit 14 and the 7 magnitude bits in bits 7-13; the mask 0xBF80 drops
+ * the copy. */
 INLINE void fp8x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16((short)0x8000));
-    const __m256i h = _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7));
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBF80));
     *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
