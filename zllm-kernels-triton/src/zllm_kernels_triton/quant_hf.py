@@ -20,12 +20,13 @@ Each program loads the bytes of its ``[BLOCK_N, BLOCK_K]`` weight tile and their
 forms the f32 tile — one rounding of quant times scale, as the reference ``zllm.domain.quant_hf``
 — and accumulates ``x @ w^T`` with ``tl.dot`` in f32.
 
-Decoding, exact: E2M1 from its code (``m = code & 7``: ``m / 2`` below 2, else
-``(2 + (m & 1)) * 2^((m >> 1) - 2)``; bit 3 the sign); E8M0 ``s`` as the f32 bits ``s << 23``
-(``s = 0``: 2^-127, the f32 subnormal ``0x00400000``; 255: inf, as the reference); E4M3FN
-either by integer arithmetic (``(8 + m) * 2^(e - 10)``, subnormals ``m * 2^-9``, ``0x7f``/``0xff``
-NaN) or, where :attr:`Tuning.fp8_convert` declares the device converts E4M3FN itself
-(``"e4m3fn"``: CUDA from sm_89), by bitcasting to ``tl.float8e4nv``. ROCm's native FP8 on CDNA3
+Decoding, exact, from the bits (no ``exp2``, whose GPU approximation need not be exact): E2M1
+(``m = code & 7``: ``m / 2`` below 2, else the f32 with exponent ``(m >> 1) - 1`` and mantissa
+bit ``m & 1``; bit 3 the sign); E8M0 ``s`` as the f32 bits ``s << 23`` (``s = 0``: 2^-127, the
+f32 subnormal ``0x00400000``; 255: inf, as the reference); E4M3FN either by rebiasing its
+exponent into f32 bits (subnormals ``m * 2^-9``, ``0x7f``/``0xff`` NaN) or, where
+:attr:`Tuning.fp8_convert` declares the device converts E4M3FN itself (``"e4m3fn"``: CUDA from
+sm_89), by bitcasting to ``tl.float8e4nv``. ROCm's native FP8 on CDNA3
 is E4M3FNUZ (exponent bias 8, no negative zero, NaN at 0x80), a different format from the
 checkpoints' E4M3FN: it declares ``"bits"``.
 """
@@ -50,7 +51,7 @@ def _e4m3(b, NATIVE: tl.constexpr):
         return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     e = ((b >> 3) & 15).to(tl.int32)
     m = (b & 7).to(tl.int32)
-    normal = (8 + m).to(tl.float32) * tl.exp2((e - 10).to(tl.float32))
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # f32 bits: bias 7 -> 127
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
     mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
     return tl.where((b & 0x80) != 0, -mag, mag)
@@ -60,8 +61,8 @@ def _e4m3(b, NATIVE: tl.constexpr):
 def _e2m1(code):
     """E2M1 codes (int32 tile, 0..15) -> f32."""
     m = code & 7
-    big = (2 + (m & 1)).to(tl.float32) * tl.exp2(((m >> 1) - 2).to(tl.float32))
-    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, big)
+    normal = ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True)  # f32 bits: bias 1 -> 127
+    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, normal)
     return tl.where((code & 8) != 0, -mag, mag)
 
 
