@@ -60,7 +60,8 @@ def _finish(src: Path, dst: Path, tensors: StateDict, qconfig: dict) -> None:
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = qconfig
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def _rewrite(src: Path, dst: Path, qconfig: dict,
@@ -180,8 +181,8 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str) -> StateDict:
     ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
     args, fmt = {
         "w4a16": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32), "pack-quantized"),

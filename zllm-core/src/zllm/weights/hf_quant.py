@@ -202,7 +202,8 @@ def _scale_f32(ctx: _Ctx, name: str, t: torch.Tensor, e8m0: bool) -> torch.Tenso
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 ``[..., W]`` packed little-endian, value ``i`` at bits ``bits * i`` -> uint8
     ``[..., W * 32 / bits]`` (4 or 8 bits)."""
-    data = words.contiguous().view(torch.uint8)  # [..., 4W]: little-endian bytes
+    # [..., 4W]: little-endian bytes (through 1-D: a size-1 dimension can keep odd strides)
+    data = words.reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], -1)
     if bits == 8:
         return data
     return torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2)
