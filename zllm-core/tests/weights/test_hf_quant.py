@@ -54,6 +54,7 @@ def test_gptq_words_unpack_to_scale_times_q_minus_zero(tmp_path, version):
         "quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": False, "sym": False,
         "checkpoint_format": version}))
     assert ckpt.tensor_names() == ["m.weight"]
+    assert ckpt.quantization == "gptq: 1 weight as int4_g; the rest dense"
     assert ckpt.tensor_shape_format("m.weight") == ((N, K), "int4_g")
     w = ckpt.tensor("m.weight")
     assert torch.equal(dequantize(w), EXPECTED)

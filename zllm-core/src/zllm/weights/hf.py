@@ -273,6 +273,16 @@ class HFCheckpoint(Checkpoint):
         return list(self._names)
 
     @property
+    def quantization(self) -> str | None:
+        if self._quant is None:
+            return None
+        counts: dict[str, int] = {}
+        for fold in self._quant.folds.values():
+            counts[fold.fmt] = counts.get(fold.fmt, 0) + 1
+        kinds = ", ".join(f"{n} weight{'s' * (n != 1)} as {fmt}" for fmt, n in counts.items()) or "no quantized weights"
+        return f"{self._quant.method}: {kinds}; the rest dense"
+
+    @property
     def skipped_tensors(self) -> dict[str, str]:
         return dict(self._skipped)
 
