@@ -15,16 +15,13 @@ and decodes them in registers; more tokens (prefill) decode :data:`~.linear.TILE
 at a time natively into one reused f32 buffer and multiply it with ``torch.mm`` (the Q8_0 path's
 scheme; ``bench/quant_gemv.py`` compares the two). Activations are f32 in and out.
 
-Numerics (``csrc/quant_gemv.c``): ``fp8_e4m3`` multiplies exactly decoded weights (E4M3 through
-F16C) with f32 activations, so it differs from the f32 reference (dequantize, then
-``x @ W^T``) by rounding only (~1e-6 relative). The integer and FP4 layouts quantize ``x``
-once per call to int16 per block of 32 in-features, as the GGUF GEMV does
-(``s_b = max|x_b| / 32767``), and take exact integer dot products with ``q - zero`` or twice
-the E2M1 value: ``|y - y_ref| <= sum_b (s_b / 2) * sum_(i in b) |w_i|`` plus f32 rounding,
-about 1e-5 relative. Each output row is computed in an order that depends only on the layout
-and ``K``: batch-invariant for any ``T`` in the GEMV. The GEMV needs ``K`` a multiple of 32 (and
-an int group size that is a multiple of 32, or 16) except for ``fp8_e4m3``; other shapes take
-the tiled path at every ``T``.
+Numerics (``csrc/quant_gemv.c``): activations stay f32 (the reference's; the GGUF GEMV's
+int16 rounding of the activations would differ numerically from dequantize-then-matmul, which
+issue #14 allows only as a named variant). Each weight is decoded exactly (E4M3 through F16C,
+nibbles and E2M1 through byte shuffles) and multiplied in f32; each scale group's sum is scaled
+once. Results differ from the f32 reference by rounding only (~1e-6 relative), and each output
+row is computed in an order that depends only on the format and ``K``: batch-invariant for any
+``T`` in the GEMV.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from collections.abc import Callable
 import torch
 
 from zllm.plugin_api import QuantizedTensor
-from zllm_backend_cpu.kernels.invariant import linear_quant_invariant
 from zllm_backend_cpu.kernels.linear import _tile_rows
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
 
@@ -60,14 +56,6 @@ def _gemv_fn(fmt: str) -> Callable[..., None]:
 def _decode_fn(fmt: str) -> Callable[..., None]:
     # (weight..., N, K, first row, end row, out, threads)
     return function(f"zllm_qdecode_{_C_NAME[fmt]}", *_WEIGHT_ARGS[fmt], I64, I64, I64, I64, P, INT)
-
-
-def gemv_fits(weight: QuantizedTensor) -> bool:
-    """Whether the GEMV takes this weight: any ``fp8_e4m3``; the others need ``K`` a multiple
-    of 32 and (int layouts) a group size that is a multiple of 32, or 16 (its blocks of 32
-    in-features)."""
-    k, g = weight.shape[-1], weight.block_shape[1]
-    return weight.fmt == "fp8_e4m3" or (k % 32 == 0 and (g % 32 == 0 or g == 16))
 
 
 def _weight_args(weight: QuantizedTensor) -> tuple:
@@ -99,16 +87,13 @@ def _permuted(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 
 def quant_gemv(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T + b`` by the native GEMV for any ``T``: ``x`` f32 ``[T, K]`` (any strides), ``weight``
-    a 2-D ``[N, K]`` of :data:`LAYOUTS` that :func:`gemv_fits`, ``bias`` ``[N]`` or None -> f32 ``[T, N]``.
+    a 2-D ``[N, K]`` of :data:`LAYOUTS`, ``bias`` ``[N]`` or None -> f32 ``[T, N]``.
 
     Raises:
         RuntimeError: the native library is unavailable.
-        ValueError: a format or shape the GEMV does not take.
+        ValueError: a format the native kernels do not have, or a weight that is not 2-D.
     """
     args = _weight_args(weight)
-    if not gemv_fits(weight):
-        raise ValueError(f"the native GEMV needs K a multiple of 32 and an int group size that is a multiple "
-                         f"of 32 or 16; got {weight.fmt} {list(weight.shape)} with block {weight.block_shape}")
     n, k = weight.shape
     t, xk = x.shape
     assert xk == k and x.dtype == torch.float32 and (bias is None or tuple(bias.shape) == (n,)), (
@@ -131,7 +116,7 @@ def decode_rows(weight: QuantizedTensor, start: int, stop: int, out: torch.Tenso
     reference's one rounding of quant times scale (nvfp4: ``e2m1 * (e4m3(scale) * global)``
     rounded twice, as the reference forms the block scale first).
 
-    Raises as :func:`quant_gemv` (any ``K`` and group size).
+    Raises as :func:`quant_gemv`.
     """
     args = _weight_args(weight)
     n, k = weight.shape
@@ -144,11 +129,10 @@ def decode_rows(weight: QuantizedTensor, start: int, stop: int, out: torch.Tenso
 
 
 def linear_quant_gemv(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b``: :func:`quant_gemv` for ``T <= GEMV_MAX_TOKENS`` (and weights it takes),
-    else row tiles decoded by :func:`decode_rows` into one reused f32 buffer, each multiplied
-    with ``torch.mm``; ``x`` f32 ``[T, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None ->
-    f32 ``[T, N]``."""
-    if x.shape[0] <= GEMV_MAX_TOKENS and gemv_fits(weight):
+    """``x @ W^T + b``: :func:`quant_gemv` for ``T <= GEMV_MAX_TOKENS``, else row tiles decoded by
+    :func:`decode_rows` into one reused f32 buffer, each multiplied with ``torch.mm``; ``x`` f32
+    ``[T, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None -> f32 ``[T, N]``."""
+    if x.shape[0] <= GEMV_MAX_TOKENS:
         return quant_gemv(x, weight, bias)
     n, k = weight.shape
     assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == k, (x.shape, x.dtype, weight.shape)
@@ -168,12 +152,9 @@ def linear_quant_gemv(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tens
 
 def linear_quant_gemv_invariant(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Batch-invariant ``x @ W^T + b``: :func:`quant_gemv` for every ``T`` (each output row in a fixed
-    order), or, for a weight it does not take, the torch kernel over fixed 16-row tiles
-    (:func:`~zllm_backend_cpu.kernels.invariant.linear_quant_invariant`); shapes as :func:`quant_gemv`."""
-    if gemv_fits(weight):
-        return quant_gemv(x, weight, bias)
-    return linear_quant_invariant(x, weight, bias)
+    order); shapes as :func:`quant_gemv`."""
+    return quant_gemv(x, weight, bias)
 
 
-__all__ = ["GEMV_MAX_TOKENS", "LAYOUTS", "decode_rows", "gemv_fits", "linear_quant_gemv",
+__all__ = ["GEMV_MAX_TOKENS", "LAYOUTS", "decode_rows", "linear_quant_gemv",
            "linear_quant_gemv_invariant", "quant_gemv"]
