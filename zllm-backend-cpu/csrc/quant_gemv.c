@@ -26,9 +26,11 @@
  *     of a 16-entry int8 table per 16 nibbles, widened and converted; factor 1/2.
  * Per scale group the values times x go into two 8-lane accumulators, the group's sum times
  * its scale into an 8-lane row total (one FMA), then a fixed horizontal sum, the scalar tail
- * (the columns of a group past its last 16-column step) and + bias. Against the f32
- * reference (dequantize, then x @ W^T) only rounding differs: the reference rounds each
- * w = q * s to f32, the kernel each group's sum; ~1e-6 relative.
+ * (the columns of a group past its last 16-column step) and + bias. Groups of 16 or 32
+ * columns (MXFP4, NVFP4, small int groups) instead scale each 16 values (the reference's w)
+ * and accumulate into four 8-lane accumulators: a per-group sum there made every group a
+ * dependent FMA on the row total (NVFP4 at 3.7 G weights/s on one core, 9.5 this way).
+ * Against the f32 reference (dequantize, then x @ W^T) only rounding differs; ~1e-6 relative.
  *
  * Order: every output element is reduced in an order that depends only on the layout and K
  * (never on T, N, the other rows or the thread split): an output row is bit-identical
