@@ -176,3 +176,16 @@ def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
                                                       "checkpoint_format": "gptq_v2"}))
     with pytest.raises(TensorError, match=r"'m.scales': NaN scale at index \[3, 0\]"):
         load_weights(ckpt, {"m.weight": TensorSpec((N, K))})
+
+
+def test_modelopt_export_without_quantization_config_reads_hf_quant_config(tmp_path):
+    # Older modelopt exports keep the recipe in hf_quant_config.json, not in config.json.
+    packed = torch.full((2, 8), 0x72, dtype=torch.uint8)  # codes 2 (1.0) low, 7 (6.0) high
+    path = _write(tmp_path, {"m.weight": packed, "m.weight_scale": torch.full((2, 1), 0x38, dtype=torch.uint8).view(
+        torch.float8_e4m3fn), "m.weight_scale_2": torch.tensor(0.5), "m.input_scale": torch.tensor(1.0)}, {})
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+    ckpt = open_checkpoint(path)
+    assert path / "hf_quant_config.json" in ckpt.files
+    assert dequantize(ckpt.tensor("m.weight")).tolist() == [[0.5, 3.0] * 8] * 2

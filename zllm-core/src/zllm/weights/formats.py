@@ -272,7 +272,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
         parts=(Part("qweight", torch.uint8, "[*lead, N, K/2]", ROW),
                Part("scales", torch.uint8, "[*lead, N, K/32]", ROW)),
         part_shapes=_fp4_shapes(32, False), bits=4, reference="zllm.domain.quant_hf:dequantize_mxfp4",
-        columns=("hf-mxfp4", "hf-ct-mxfp4"), fixed_block=(1, 32), column_multiple=32,
+        columns=("hf-mxfp4", "hf-ct-mxfp4", "gguf-MXFP4"), fixed_block=(1, 32), column_multiple=32,
     ),
     WeightFormat(
         name="nvfp4",

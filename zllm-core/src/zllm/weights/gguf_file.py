@@ -39,7 +39,25 @@ GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
     GGMLQuantizationType.F16: "f16",
     GGMLQuantizationType.BF16: "bf16",
     **{GGMLQuantizationType[name.upper()]: name for name in BLOCK_LAYOUTS},
+    GGMLQuantizationType.MXFP4: "mxfp4",  # repacked at load: see _mxfp4_from_gguf
 }
+
+
+def _mxfp4_from_gguf(data: torch.Tensor, shape: tuple[int, ...]) -> QuantizedTensor:
+    """GGUF MXFP4 blocks -> the ``mxfp4`` kernel layout, once at load (no f32).
+
+    ggml ``block_mxfp4`` (``ggml-common.h``): 17 bytes per 32 weights, an E8M0 exponent ``e``
+    then ``qs[16]``, byte ``j`` holding weight ``j`` (low nibble) and weight ``j + 16`` (high
+    nibble) as E2M1 codes; ``w = e2m1 * 2^(e - 127)`` (gguf-py's doubled values times
+    ``2^(e - 128)``). The kernel layout keeps the exponents apart and pairs columns
+    ``(2j, 2j + 1)`` in a byte.
+    """
+    *lead, rows, cols = shape
+    blocks = data.reshape(*lead, rows, cols // 32, 17)  # [*lead, rows, K/32, 17]
+    qs = blocks[..., 1:]  # [*lead, rows, K/32, 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [*lead, rows, K/32, 32]: weight order
+    qweight = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(*lead, rows, cols // 2)
+    return QuantizedTensor({"qweight": qweight, "scales": blocks[..., 0].contiguous()}, "mxfp4", shape)
 
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -264,7 +282,9 @@ class GGUFCheckpoint(Checkpoint):
         shape, fmt = self.tensor_shape_format(name)
         data = torch.from_numpy(t.data)  # shares the copy-on-write mapping
         weight: torch.Tensor | QuantizedTensor
-        if fmt in BLOCK_LAYOUTS:
+        if fmt == "mxfp4":
+            weight = _mxfp4_from_gguf(data, shape)
+        elif fmt in BLOCK_LAYOUTS:
             if len(shape) < 2:
                 raise TensorError(
                     str(self.path), name, f"{fmt} tensor of shape {list(shape)}; quantized weights have rows "
