@@ -189,3 +189,14 @@ def test_modelopt_export_without_quantization_config_reads_hf_quant_config(tmp_p
     ckpt = open_checkpoint(path)
     assert path / "hf_quant_config.json" in ckpt.files
     assert dequantize(ckpt.tensor("m.weight")).tolist() == [[0.5, 3.0] * 8] * 2
+
+
+def test_gptq_v1_8_bit_zero_point_255_is_refused_naming_qzeros(tmp_path):
+    # 8 bits: four values per word. v1 stores z - 1, so a stored 255 means z = 256: no 8-bit value.
+    tensors = {"m.qweight": torch.tensor([[0x04030201] * 4], dtype=torch.int32),  # [K/4, N]: K = 4
+               "m.qzeros": torch.tensor([[0x7F7F7FFF]], dtype=torch.int32),  # zeros 255, 127, 127, 127
+               "m.scales": torch.ones(1, 4, dtype=torch.float16)}
+    ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 8, "group_size": 4,
+                                                      "checkpoint_format": "gptq"}))
+    with pytest.raises(TensorError, match=r"'m.qzeros': a GPTQ v1 zero point of 255 \+ 1 does not fit 8 bits"):
+        ckpt.tensor("m.weight")
