@@ -10,7 +10,7 @@ on a CPU (it dequantizes: transformers ``fp8`` with ``weight_scale_inv``, compre
 transformers cannot load the others here: GPTQ needs optimum, AWQ gptqmodel, modelopt has no
 CPU path, compressed-tensors int4 with zero points fails on its packed zero-point shape,
 NVFP4/MXFP4 decompress to bf16 and refuse an f32 model; AutoFP8-style ``weight_scale`` files
-under ``quant_method: fp8`` load but with the scales dropped.
+under ``quant_method: fp8`` load without those scales applied (transformers reads ``weight_scale_inv``).
 """
 
 from __future__ import annotations

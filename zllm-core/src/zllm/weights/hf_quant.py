@@ -431,13 +431,20 @@ def _ct_pack(ctx: _Ctx, prefix: str, group: _CtGroup) -> None:
     offset = 1 << (bits - 1)
 
     def build(read: Reader) -> QuantizedTensor:
-        q = _unpack_words(read(packed), bits)[:, :k]  # [N, K] unsigned: value + offset
+        words = read(packed)  # int32 [N, ceil(K*b/32)]
         scales = _no_nan(ctx, prefix + "weight_scale", read(prefix + "weight_scale").float())
         if symmetric:
             zeros = torch.full((n, k // g), offset, dtype=torch.uint8)
         else:  # packed along N: words [ceil(N*b/32), K/g]
             zeros = _unpack_words(read(zp_name).t(), bits)[:, :n].t()  # [N, K/g] unsigned
         perm = _group_perm(ctx, g_idx_name, read(g_idx_name), k, g) if g_idx_name in ctx.entries else None
+        if perm is None:
+            # The little-endian bytes of the words already are the kernel layout (low nibble =
+            # even column): the file mapping is used as it is, copied only to drop padding.
+            qweight = words.reshape(-1).view(torch.uint8).reshape(n, -1)[:, : k * bits // 8].contiguous()
+            return QuantizedTensor({"qweight": qweight, "scales": scales.contiguous(), "zeros": zeros.contiguous()},
+                                   f"int{bits}_g", (n, k), block=(1, g))
+        q = _unpack_words(words, bits)[:, :k]  # [N, K] unsigned: value + offset
         return _int_weight(q, scales, zeros, bits, g, perm)
 
     ctx.add(Fold(logical, f"int{bits}_g", (n, k), (1, g), tuple(sources), build))
