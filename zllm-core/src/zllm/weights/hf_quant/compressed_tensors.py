@@ -201,6 +201,7 @@ def _ct_fp4(ctx: PlanContext, prefix: str, group: _CtGroup, fmt: str) -> None:
 
 
 def plan_compressed_tensors(ctx: PlanContext) -> None:
+    """``quant_method: compressed-tensors``: every ``X.weight_packed`` and F8 ``X.weight``, by its group's format."""
     groups = _ct_groups(ctx)
     for name, entry in list(ctx.entries.items()):
         if name.endswith(".weight_packed"):

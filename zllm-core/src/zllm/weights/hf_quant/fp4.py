@@ -10,6 +10,7 @@ from zllm.weights.hf_quant.plan import E8M0_DTYPES, Fold, PlanContext, Reader, c
 
 
 def plan_mxfp4(ctx: PlanContext) -> None:
+    """``quant_method: mxfp4``: every ``P_blocks`` with its ``P_scales`` -> the weight ``P``."""
     check_keys(ctx, "quant_method 'mxfp4'", ctx.qconfig, ("quant_method", "modules_to_not_convert"))
     for name, entry in list(ctx.entries.items()):
         if not name.endswith("_blocks"):
@@ -39,6 +40,7 @@ _MODELOPT_KEYS = ("quant_method", "quant_algo", "group_size", "kv_cache_quant_al
 
 
 def plan_modelopt(ctx: PlanContext) -> None:
+    """``quant_method: modelopt``, ``quant_algo: NVFP4``: every U8 ``X.weight`` with its two scales."""
     q = ctx.qconfig
     check_keys(ctx, "quant_method 'modelopt'", q, _MODELOPT_KEYS)
     if q.get("quant_algo") != "NVFP4":

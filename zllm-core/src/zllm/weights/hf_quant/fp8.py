@@ -45,8 +45,8 @@ def fp8_block(ctx: PlanContext, scale_name: str, scale_shape: tuple[int, ...], s
                     f"channel [{per_channel}]{blocks_text} of weight {list(shape)}")
 
 
-def fp8_fold(ctx: PlanContext, weight: str, scale: str, block: tuple[int, int], shape: tuple[int, ...],
-              extra: tuple[str, ...] = ()) -> Fold:
+def fp8_fold(ctx: PlanContext, weight: str, scale: str, block: tuple[int, int], shape: tuple[int, ...]) -> Fold:
+    """The fold of FP8 ``weight`` with its ``scale`` (f32, or E8M0 bytes by stored dtype) per ``block``."""
     e8m0 = ctx.entries[scale].dtype in E8M0_DTYPES
     *lead, n, k = shape
     scale_shape = (*lead, ceil_div(n, block[0]), ceil_div(k, block[1]))
@@ -56,10 +56,11 @@ def fp8_fold(ctx: PlanContext, weight: str, scale: str, block: tuple[int, int], 
         s = scale_f32(ctx, scale, read(scale), e8m0).reshape(scale_shape).contiguous()
         return QuantizedTensor({"qweight": q, "scale": s}, "fp8_e4m3", shape, block=block)
 
-    return Fold(weight, "fp8_e4m3", shape, block, (weight, scale, *extra), build)
+    return Fold(weight, "fp8_e4m3", shape, block, (weight, scale), build)
 
 
 def plan_fp8(ctx: PlanContext) -> None:
+    """``quant_method: fp8``: every F8_E4M3 ``X.weight`` with its ``X.weight_scale_inv`` or ``X.weight_scale``."""
     q = ctx.qconfig
     check_keys(ctx, "quant_method 'fp8'", q, _FP8_KEYS)
     blocks: list[tuple[int, int]] = []

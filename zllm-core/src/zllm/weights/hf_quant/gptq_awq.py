@@ -54,6 +54,7 @@ def _int_modules(ctx: PlanContext, what: str, k_of: Callable[[Stored], int], n_o
 
 
 def plan_gptq(ctx: PlanContext) -> None:
+    """``quant_method: gptq``: every ``X.qweight`` with ``X.qzeros``, ``X.scales`` and ``X.g_idx`` -> ``X.weight``."""
     q = ctx.qconfig
     check_keys(ctx, "quant_method 'gptq'", q, _GPTQ_KEYS)
     bits, group = _bits_group(ctx, (4, 8))
@@ -101,6 +102,7 @@ def _gptq_build(ctx: PlanContext, prefix: str, bits: int, g: int, n: int, k: int
 
 
 def plan_awq(ctx: PlanContext) -> None:
+    """``quant_method: awq`` (``gemm``): every ``X.qweight`` with ``X.qzeros`` and ``X.scales`` -> ``X.weight``."""
     q = ctx.qconfig
     check_keys(ctx, "quant_method 'awq'", q, _AWQ_KEYS)
     bits, group = _bits_group(ctx, (4,))

@@ -26,11 +26,19 @@ class Stored(Protocol):
     """What the checkpoint knows of one stored tensor from its safetensors header."""
 
     @property
-    def file(self) -> Path: ...
+    def file(self) -> Path:
+        """The safetensors file holding the tensor."""
+        ...
+
     @property
-    def dtype(self) -> str: ...
+    def dtype(self) -> str:
+        """Its safetensors dtype name (``F8_E4M3``, ``I32`` …)."""
+        ...
+
     @property
-    def shape(self) -> tuple[int, ...]: ...
+    def shape(self) -> tuple[int, ...]:
+        """Its stored shape."""
+        ...
 
 
 @attrs.frozen
@@ -90,9 +98,11 @@ class PlanContext:
         self.skipped: dict[str, str] = {}
 
     def config_error(self, message: str) -> CheckpointError:
+        """An error in the quantization config, naming its file."""
         return CheckpointError(str(self.config_file), f"quantization_config: {message}")
 
     def error(self, name: str, message: str) -> TensorError:
+        """An error about checkpoint tensor ``name``, naming the file that holds it."""
         entry = self.entries.get(name)
         return TensorError(str(entry.file if entry is not None else self.config_file), name, message)
 
@@ -104,6 +114,8 @@ class PlanContext:
         return entry
 
     def expect(self, name: str, dtypes: Iterable[str], shape: tuple[int, ...] | None, what: str) -> Stored:
+        """Tensor ``name`` (present), checked to be stored in one of ``dtypes`` with ``shape``
+        (None: any); a TensorError naming it, the stored value and the expected one otherwise."""
         entry = self.entries[name]
         dtypes = tuple(dtypes)
         if entry.dtype not in dtypes:
@@ -113,15 +125,18 @@ class PlanContext:
         return entry
 
     def skip_activation_scales(self, prefix: str, names: Iterable[str]) -> None:
+        """Mark the static activation scales ``prefix + name`` present as skipped (with the reason)."""
         for n in names:
             if prefix + n in self.entries:
                 self.skipped[prefix + n] = ACTIVATION_SCALE_REASON
 
     def add(self, fold: Fold) -> None:
+        """Record one logical weight's fold."""
         self.folds[fold.name] = fold
 
 
 def check_keys(ctx: PlanContext, where: str, given: Mapping[str, Any], known: Iterable[str]) -> None:
+    """A config error naming the fields of ``given`` (at ``where``) not in ``known``, listing those."""
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise ctx.config_error(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
@@ -129,10 +144,12 @@ def check_keys(ctx: PlanContext, where: str, given: Mapping[str, Any], known: It
 
 
 def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive integers."""
     return -(-a // b)
 
 
 def no_nan(ctx: PlanContext, name: str, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` itself; a TensorError on ``name`` giving the first NaN's index and the count if any."""
     if torch.isnan(scale).any():
         first = [int(i) for i in torch.nonzero(torch.isnan(scale))[0]]
         raise ctx.error(name, f"NaN scale at index {first} ({int(torch.isnan(scale).sum())} NaN of {scale.numel()})")
