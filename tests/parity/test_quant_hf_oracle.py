@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from tests import quant_checkpoints as qc
@@ -138,3 +140,25 @@ def test_e2m1_e8m0_and_e4m3_tables_equal_the_gguf_packages_mxfp4_and_nvfp4():
     w = QuantizedTensor({"qweight": packed, "scales": torch.from_numpy(d), "global_scale": torch.tensor(1.0)},
                         "nvfp4", (4, 64))
     assert torch.equal(dequantize(w), torch.from_numpy(theirs))
+
+
+@settings(max_examples=8, deadline=None)
+@given(n8=st.integers(1, 4), groups=st.integers(1, 3), group=st.sampled_from([32, 64]), seed=st.integers(0, 999),
+       layout=st.sampled_from(["gptq-int4", "gptq-int8", "gptq-int4-desc-act", "awq-int4", "gptq-int4-v1"]))
+def test_packings_written_from_their_definitions_fold_back_to_the_quantizers_weights(
+        tmp_path_factory, n8, groups, group, seed, layout):
+    # The round trip: zllm's quantizer -> the checkpoint's packing as GPTQ / AWQ define it
+    # (tests/quant_checkpoints.py, bit layouts commented there) -> zllm's fold -> the reference.
+    src = tmp_path_factory.mktemp("src")
+    dense = torch.randn(8 * n8, group * groups, generator=torch.Generator().manual_seed(seed))
+    save_file({"model.layers.0.mlp.up_proj.weight": dense}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    dst = tmp_path_factory.mktemp("dst")
+    if layout.startswith("awq"):
+        expected = qc.write_awq(src, dst, group)
+    else:
+        bits = 8 if "int8" in layout else 4
+        expected = qc.write_gptq(src, dst, bits, group, "gptq" if layout.endswith("v1") else "gptq_v2",
+                                 desc_act=layout.endswith("desc-act"), seed=seed)
+    w = open_checkpoint(dst).tensor("model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(dequantize(w), expected["model.layers.0.mlp.up_proj.weight"])

@@ -10,7 +10,7 @@ on a CPU (it dequantizes: transformers ``fp8`` with ``weight_scale_inv``, compre
 transformers cannot load the others here: GPTQ needs optimum, AWQ gptqmodel, modelopt has no
 CPU path, compressed-tensors int4 with zero points fails on its packed zero-point shape,
 NVFP4/MXFP4 decompress to bf16 and refuse an f32 model; AutoFP8-style ``weight_scale`` files
-under ``quant_method: fp8`` load but with the scales dropped.
+under ``quant_method: fp8`` load without those scales applied (transformers reads ``weight_scale_inv``).
 """
 
 from __future__ import annotations
@@ -174,3 +174,17 @@ def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_
     oracle = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
     torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_explain_names_the_quantization_the_kernels_and_the_unused_activation_scales(tmp_path, dense):
+    from tests.cli.conftest import zllm as run_zllm
+
+    quantized = tmp_path / "fp8-tensor"
+    WRITERS["fp8-tensor"](dense, quantized)
+    proc = run_zllm("run", "--config", write_config(tmp_path, quantized), "--explain", "--max-new-tokens", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "quantization: fp8: 14 weights as fp8_e4m3; the rest dense (kept quantized)" in lines
+    assert any(line.strip().startswith("linear[fp8_e4m3]") for line in lines)
+    skipped = [line for line in lines if line.startswith("skipped tensor: ")]
+    assert len(skipped) == 14 and all(".activation_scale (static activation scale" in s for s in skipped)

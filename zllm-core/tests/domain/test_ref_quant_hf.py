@@ -104,3 +104,9 @@ def test_rows_of_a_block_scaled_weight_keep_their_scales():
     picked = w.rows(ids)
     assert picked.block == (1, 32) and torch.equal(dequantize(picked), dequantize(w)[ids])
     assert torch.equal(dequantize(w.rows(slice(5, 33))), dequantize(w)[5:33])
+
+
+def test_bits_are_those_of_one_quantized_value():
+    bits = {name: fmt.bits for name, fmt in FORMATS.items()}
+    assert bits == {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q2_k": 2, "q3_k": 3, "q4_k": 4,
+                    "q5_k": 5, "q6_k": 6, "fp8_e4m3": 8, "int4_g": 4, "int8_g": 8, "mxfp4": 4, "nvfp4": 4}

@@ -189,3 +189,29 @@ def test_modelopt_export_without_quantization_config_reads_hf_quant_config(tmp_p
     ckpt = open_checkpoint(path)
     assert path / "hf_quant_config.json" in ckpt.files
     assert dequantize(ckpt.tensor("m.weight")).tolist() == [[0.5, 3.0] * 8] * 2
+
+
+def test_gptq_v1_8_bit_zero_point_255_is_refused_naming_qzeros(tmp_path):
+    # 8 bits: four values per word. v1 stores z - 1, so a stored 255 means z = 256: no 8-bit value.
+    tensors = {"m.qweight": torch.tensor([[0x04030201] * 4], dtype=torch.int32),  # [K/4, N]: K = 4
+               "m.qzeros": torch.tensor([[0x7F7F7FFF]], dtype=torch.int32),  # zeros 255, 127, 127, 127
+               "m.scales": torch.ones(1, 4, dtype=torch.float16)}
+    ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 8, "group_size": 4,
+                                                      "checkpoint_format": "gptq"}))
+    with pytest.raises(TensorError, match=r"'m.qzeros': a GPTQ v1 zero point of 255 \+ 1 does not fit 8 bits"):
+        ckpt.tensor("m.weight")
+
+
+def test_compressed_tensors_act_order_g_idx_becomes_a_column_permutation(tmp_path):
+    # actorder "group": weight_g_idx [K] assigns columns to groups; odd columns form group 0.
+    g_idx = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.int32)
+    scales = torch.tensor([[1.0, 2.0]] * N)  # [N, K/g]: group 1 doubles
+    tensors = {"m.weight_packed": torch.tensor([[_word(Q[n])] for n in range(N)], dtype=torch.int32),
+               "m.weight_shape": torch.tensor([N, K]), "m.weight_scale": scales, "m.weight_g_idx": g_idx}
+    qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 4, "actorder": "group"}}}}
+    w = open_checkpoint(_write(tmp_path, tensors, qconfig)).tensor("m.weight")
+    assert w.parts["perm"].tolist() == [1, 3, 5, 7, 0, 2, 4, 6]
+    expected = torch.tensor([[(2.0 if g_idx[k] else 1.0) * (Q[n][k] - 8) for k in range(K)] for n in range(N)])
+    assert torch.equal(dequantize(w), expected)

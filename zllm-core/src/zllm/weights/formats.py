@@ -192,12 +192,12 @@ def _gguf_shapes(layout: BlockLayout) -> PartShapes:
     return lambda lead, n, k, block: {"data": (*lead, n, k // layout.block_size * layout.type_size)}
 
 
-def _gguf(name: str, block_size: int, type_size: int, summary: str) -> WeightFormat:
+def _gguf(name: str, block_size: int, type_size: int, bits: int, summary: str) -> WeightFormat:
     layout = BlockLayout(name, block_size, type_size)
     return WeightFormat(
         name=name, summary=summary,
         parts=(Part("data", torch.uint8, f"[*lead, N, K/{block_size}*{type_size}]", ROW),),
-        part_shapes=_gguf_shapes(layout), bits=8 * type_size // block_size,
+        part_shapes=_gguf_shapes(layout), bits=bits,
         reference=f"zllm.domain.quant:dequantize_{name}", columns=(f"gguf-{name.upper()}",),
         fixed_block=(1, block_size), column_multiple=block_size, gguf=layout,
     )  # fmt: skip
@@ -245,16 +245,16 @@ def _int_format(bits: int) -> WeightFormat:
 #: The weight-format registry: format name -> declaration. GGUF block layouts (ggml
 #: ``ggml-common.h``, byte layouts in the module doc) first, then the HF checkpoints' formats.
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
-    _gguf("q8_0", 32, 34, "GGUF Q8_0: 32 int8 and an f16 scale per block"),
-    _gguf("q4_0", 32, 18, "GGUF Q4_0: 32 4-bit values and an f16 scale per block"),
-    _gguf("q4_1", 32, 20, "GGUF Q4_1: 32 4-bit values, an f16 scale and min per block"),  # 2 + 2 + 16
-    _gguf("q5_0", 32, 22, "GGUF Q5_0: 32 5-bit values and an f16 scale per block"),  # 2 + 4 + 16
-    _gguf("q5_1", 32, 24, "GGUF Q5_1: 32 5-bit values, an f16 scale and min per block"),  # 2 + 2 + 4 + 16
-    _gguf("q2_k", QK_K, 84, "GGUF Q2_K super-blocks"),  # 16 + 64 + 2 + 2
-    _gguf("q3_k", QK_K, 110, "GGUF Q3_K super-blocks"),  # 32 + 64 + 12 + 2
-    _gguf("q4_k", QK_K, 144, "GGUF Q4_K super-blocks"),  # 2 + 2 + 12 + 128
-    _gguf("q5_k", QK_K, 176, "GGUF Q5_K super-blocks"),  # 2 + 2 + 12 + 32 + 128
-    _gguf("q6_k", QK_K, 210, "GGUF Q6_K super-blocks"),  # 128 + 64 + 16 + 2
+    _gguf("q8_0", 32, 34, 8, "GGUF Q8_0: 32 int8 and an f16 scale per block"),
+    _gguf("q4_0", 32, 18, 4, "GGUF Q4_0: 32 4-bit values and an f16 scale per block"),
+    _gguf("q4_1", 32, 20, 4, "GGUF Q4_1: 32 4-bit values, an f16 scale and min per block"),  # 2 + 2 + 16
+    _gguf("q5_0", 32, 22, 5, "GGUF Q5_0: 32 5-bit values and an f16 scale per block"),  # 2 + 4 + 16
+    _gguf("q5_1", 32, 24, 5, "GGUF Q5_1: 32 5-bit values, an f16 scale and min per block"),  # 2 + 2 + 4 + 16
+    _gguf("q2_k", QK_K, 84, 2, "GGUF Q2_K super-blocks"),  # 16 + 64 + 2 + 2
+    _gguf("q3_k", QK_K, 110, 3, "GGUF Q3_K super-blocks"),  # 32 + 64 + 12 + 2
+    _gguf("q4_k", QK_K, 144, 4, "GGUF Q4_K super-blocks"),  # 2 + 2 + 12 + 128
+    _gguf("q5_k", QK_K, 176, 5, "GGUF Q5_K super-blocks"),  # 2 + 2 + 12 + 32 + 128
+    _gguf("q6_k", QK_K, 210, 6, "GGUF Q6_K super-blocks"),  # 128 + 64 + 16 + 2
     WeightFormat(
         name="fp8_e4m3",
         summary="FP8 E4M3FN with f32 scales per block, channel or tensor (HF fp8, compressed-tensors "
