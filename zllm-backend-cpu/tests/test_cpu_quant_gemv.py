@@ -188,6 +188,18 @@ def test_odd_shapes_take_the_gemv_too():
         assert torch.equal(kernels.decode_rows(w, 0, 5), dequantize(w))
 
 
+def test_non_contiguous_parts_are_read_through_copies():
+    # a row slice of a wider buffer: parts with a row stride larger than their width
+    g = torch.Generator().manual_seed(5)
+    w = random_weight("int4_g", 8, 64, g, (1, 32))
+    strided = QuantizedTensor({name: torch.cat([t, t], dim=-1)[..., : t.shape[-1]] for name, t in w.parts.items()},
+                              "int4_g", w.shape, block=w.block)
+    assert not strided.parts["qweight"].is_contiguous()
+    x = torch.randn(2, 64, generator=g)
+    assert torch.equal(kernels.quant_gemv(x, strided, None), kernels.quant_gemv(x, w, None))
+    assert torch.equal(kernels.decode_rows(strided, 0, 8), kernels.decode_rows(w, 0, 8))
+
+
 def test_weights_the_native_kernels_do_not_take_are_named():
     x = torch.randn(1, 96)
     with pytest.raises(ValueError, match="no format 'q8_0'"):

@@ -58,8 +58,9 @@ def _decode_fn(fmt: str) -> Callable[..., None]:
     return function(f"zllm_qdecode_{_C_NAME[fmt]}", *_WEIGHT_ARGS[fmt], I64, I64, I64, I64, P, INT)
 
 
-def _weight_args(weight: QuantizedTensor) -> tuple:
-    """The C weight arguments (pointers into the parts, which stay alive in ``weight``).
+def _weight_args(weight: QuantizedTensor) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """The C weight arguments, and the contiguous parts they point into (copies where a part was
+    not contiguous: the caller keeps them alive until the C call returns).
 
     Raises:
         ValueError: a format the native kernels do not have, or a weight that is not 2-D.
@@ -72,12 +73,12 @@ def _weight_args(weight: QuantizedTensor) -> tuple:
     parts = {name: t if t.is_contiguous() else t.contiguous() for name, t in weight.parts.items()}
     q = parts["qweight"].data_ptr()
     if weight.fmt == "fp8_e4m3":
-        return q, parts["scale"].data_ptr(), *weight.block_shape
+        return (q, parts["scale"].data_ptr(), *weight.block_shape), parts
     if weight.fmt in _INT:
-        return q, parts["scales"].data_ptr(), parts["zeros"].data_ptr(), weight.block_shape[1]
+        return (q, parts["scales"].data_ptr(), parts["zeros"].data_ptr(), weight.block_shape[1]), parts
     if weight.fmt == "mxfp4":
-        return q, parts["scales"].data_ptr()
-    return q, parts["scales"].data_ptr(), float(parts["global_scale"])
+        return (q, parts["scales"].data_ptr()), parts
+    return (q, parts["scales"].data_ptr(), float(parts["global_scale"])), parts
 
 
 def _permuted(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def quant_gemv(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | No
         RuntimeError: the native library is unavailable.
         ValueError: a format the native kernels do not have, or a weight that is not 2-D.
     """
-    args = _weight_args(weight)
+    args, _parts = _weight_args(weight)  # _parts: alive until the call returns
     n, k = weight.shape
     t, xk = x.shape
     assert xk == k and x.dtype == torch.float32 and (bias is None or tuple(bias.shape) == (n,)), (
@@ -118,7 +119,7 @@ def decode_rows(weight: QuantizedTensor, start: int, stop: int, out: torch.Tenso
 
     Raises as :func:`quant_gemv`.
     """
-    args = _weight_args(weight)
+    args, _parts = _weight_args(weight)  # _parts: alive until the call returns
     n, k = weight.shape
     assert 0 <= start <= stop <= n, (start, stop, n)
     out = torch.empty(stop - start, k) if out is None else out
