@@ -38,9 +38,9 @@
  *
  * Threads: OpenMP with the caller's thread count (the libgomp torch loaded, as gemv.c). The
  * rows are cut into work items of about CHUNK_BYTES of weights handed out dynamically, so a
- * thread the OS deschedules on a busy machine holds up one item, not a static share. Each
- * token is multiplied with the row in turn; the row stays in L1 for the next token (T is
- * small here: prefill decodes row tiles with zllm_qdecode_* and multiplies them with torch).
+ * thread the OS deschedules on a busy machine holds up one item, not a static share. Tokens
+ * go two at a time through one decode of a row (4 tokens: 1.8x faster than one at a time);
+ * T is small here: prefill decodes row tiles with zllm_qdecode_* for torch.mm.
  */
 #include "common.h"
 
@@ -180,8 +180,17 @@ INLINE void decode_row(const qweight *w, int64_t r, float *out, const int layout
 /* Columns [c, c + 32) of a row whose scale groups are 16 or 32 columns (lg = log2(g / 16)):
  * each 16-column step scaled by its own group's scale, then times x into its own pair of
  * accumulators (a[0..1] for the first step, a[2..3] for the second). */
+/* Tokens sharing one decode of a weight row (as gemv.c): the row stays in registers for the
+ * second token. Each token's accumulators take the same operations in the same order as
+ * alone, so results do not depend on the pairing. */
+#define TOKENS_MAX 2
+
+/* Columns [c, c + 32) of a row whose scale groups are 16 or 32 columns (lg = log2(g / 16)):
+ * each 16-column step scaled by its own group's scale, then times each token's x into that
+ * token's pair of accumulators for the step (a[t][0..1] first step, a[t][2..3] second). */
 INLINE void steps32(const qweight *w, const uint8_t *row, const uint8_t *zr, const float *sf, const uint8_t *s8,
-                    const float *x, int64_t c, int lg, const int layout, __m256 a[4]) {
+                    const float *x, int64_t xs, int64_t c, int lg, const int layout, const int TT,
+                    __m256 a[TOKENS_MAX][4]) {
     for (int h = 0; h < 2; h++) {
         const int64_t cc = c + 16 * h, gi = cc >> 4 >> lg;
         float s, vs;
@@ -190,54 +199,89 @@ INLINE void steps32(const qweight *w, const uint8_t *row, const uint8_t *zr, con
         PREFETCH_ROW(row + (layout == L_INT8 || layout == L_FP8 ? cc : cc / 2));
         cols16(row, cc, zr ? zr[gi] : 0, layout, &lo, &hi);
         const __m256 v = _mm256_set1_ps(vs);
-        a[2 * h] = _mm256_fmadd_ps(_mm256_mul_ps(lo, v), _mm256_loadu_ps(x + cc), a[2 * h]);
-        a[2 * h + 1] = _mm256_fmadd_ps(_mm256_mul_ps(hi, v), _mm256_loadu_ps(x + cc + 8), a[2 * h + 1]);
+        lo = _mm256_mul_ps(lo, v);
+        hi = _mm256_mul_ps(hi, v);
+        for (int t = 0; t < TT; t++) {
+            a[t][2 * h] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + t * xs + cc), a[t][2 * h]);
+            a[t][2 * h + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + t * xs + cc + 8), a[t][2 * h + 1]);
+        }
     }
 }
 
-/* One row times one token (f32 activations). Groups of 16 or 32 columns (MXFP4, NVFP4, small
- * int groups; K a multiple of 32): each 16 decoded values times their scale (the reference's
- * w, rounded once), times x into four 8-lane accumulators. Larger groups: per group the
- * unscaled values times x in two 8-lane accumulators, the group's sum times its scale into an
- * 8-lane row total (one FMA), a group's columns past its last 16-column step one scalar FMA
- * each into a tail. Then a fixed horizontal sum. */
-INLINE float dot_row(const qweight *w, int64_t r, const float *x, const int layout) {
+/* One row times TT tokens (x rows xs apart; f32 activations) -> y[t]. Groups of 16 or 32
+ * columns (MXFP4, NVFP4, small int groups; K a multiple of 32): each 16 decoded values times
+ * their scale (the reference's w, rounded once), times x into four 8-lane accumulators. Larger
+ * groups: per group the unscaled values times x in two 8-lane accumulators, the group's sum
+ * times its scale into an 8-lane row total (one FMA), a group's columns past its last
+ * 16-column step one scalar FMA each into a tail. Then a fixed horizontal sum. */
+INLINE void dot_row(const qweight *w, int64_t r, const float *x, int64_t xs, float *y, const int layout,
+                    const int TT) {
     ROW_PARTS(w, r, layout);
     if ((g == 16 || g == 32) && k % 32 == 0) {
-        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 a[TOKENS_MAX][4];
+        for (int t = 0; t < TT; t++)
+            for (int i = 0; i < 4; i++) a[t][i] = _mm256_setzero_ps();
         const int lg = g == 32;
-        for (int64_t c = 0; c < k; c += 32) steps32(w, row, zr, sf, s8, x, c, lg, layout, a);
-        return hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3])));
+        for (int64_t c = 0; c < k; c += 32) steps32(w, row, zr, sf, s8, x, xs, c, lg, layout, TT, a);
+        for (int t = 0; t < TT; t++)
+            y[t] = hsum(_mm256_add_ps(_mm256_add_ps(a[t][0], a[t][2]), _mm256_add_ps(a[t][1], a[t][3])));
+        return;
     }
     const int nibbles = layout == L_INT4 || layout == L_MXFP4 || layout == L_NVFP4;
-    __m256 tot = _mm256_setzero_ps();
-    float tail = 0.0f;
+    __m256 tot[TOKENS_MAX];
+    float tail[TOKENS_MAX];
+    for (int t = 0; t < TT; t++) tot[t] = _mm256_setzero_ps(), tail[t] = 0.0f;
     for (int64_t gi = 0; gi < ng; gi++) {
         const int64_t c1 = (gi + 1) * g < k ? (gi + 1) * g : k;
         const int z = zr ? zr[gi] : 0;
         float s, vs;
         group_scale(w, sf, s8, gi, layout, &s, &vs);
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        __m256 a[TOKENS_MAX][2];
+        for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
         int64_t c = gi * g;
         if (!nibbles || c % 2 == 0)
             for (; c + 16 <= c1; c += 16) {
                 __m256 lo, hi;
                 PREFETCH_ROW(row + (nibbles ? c / 2 : c));
                 cols16(row, c, z, layout, &lo, &hi);
-                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + c), a0);
-                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + c + 8), a1);
+                for (int t = 0; t < TT; t++) {
+                    a[t][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + t * xs + c), a[t][0]);
+                    a[t][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + t * xs + c + 8), a[t][1]);
+                }
             }
-        tot = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(vs), tot);
-        for (; c < c1; c++) tail = fmaf(col1(row, c, z, layout) * s, x[c], tail);
+        for (int t = 0; t < TT; t++)
+            tot[t] = _mm256_fmadd_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_set1_ps(vs), tot[t]);
+        for (; c < c1; c++) {
+            const float wc = col1(row, c, z, layout) * s;
+            for (int t = 0; t < TT; t++) tail[t] = fmaf(wc, x[t * xs + c], tail[t]);
+        }
     }
-    return hsum(tot) + tail;
+    for (int t = 0; t < TT; t++) y[t] = hsum(tot[t]) + tail[t];
 }
 
-static float dot_fp8(const qweight *w, int64_t r, const float *x) { return dot_row(w, r, x, L_FP8); }
-static float dot_int4(const qweight *w, int64_t r, const float *x) { return dot_row(w, r, x, L_INT4); }
-static float dot_int8(const qweight *w, int64_t r, const float *x) { return dot_row(w, r, x, L_INT8); }
-static float dot_mxfp4(const qweight *w, int64_t r, const float *x) { return dot_row(w, r, x, L_MXFP4); }
-static float dot_nvfp4(const qweight *w, int64_t r, const float *x) { return dot_row(w, r, x, L_NVFP4); }
+/* Rows [r0, r1) times all T tokens, pairs of tokens then a last single one -> y [T, N]. */
+#define ROWS(NAME, LAYOUT)                                                                     \
+static void rows_##NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs,  \
+                        const float *bias, float *y, int64_t t) {                              \
+    for (int64_t r = r0; r < r1; r++) {                                                         \
+        float v[TOKENS_MAX];                                                                    \
+        int64_t j = 0;                                                                          \
+        for (; j + TOKENS_MAX <= t; j += TOKENS_MAX) {                                          \
+            dot_row(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                               \
+            for (int i = 0; i < TOKENS_MAX; i++) y[(j + i) * w->n + r] = bias ? v[i] + bias[r] : v[i]; \
+        }                                                                                       \
+        if (j < t) {                                                                            \
+            dot_row(w, r, x + j * xs, xs, v, LAYOUT, 1);                                        \
+            y[j * w->n + r] = bias ? v[0] + bias[r] : v[0];                                     \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+ROWS(fp8, L_FP8)
+ROWS(int4, L_INT4)
+ROWS(int8, L_INT8)
+ROWS(mxfp4, L_MXFP4)
+ROWS(nvfp4, L_NVFP4)
 
 static void decode_fp8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_FP8); }
 static void decode_int4(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT4); }
@@ -247,26 +291,21 @@ static void decode_nvfp4(const qweight *w, int64_t r, float *out) { decode_row(w
 
 /* ---- the thread split and the entry points ---- */
 
-typedef float (*dot_fn)(const qweight *w, int64_t r, const float *x);
+typedef void (*rows_fn)(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, const float *bias,
+                        float *y, int64_t t);
 typedef void (*decode_fn)(const qweight *w, int64_t r, float *out);
 
 /* y = x W^T (+ bias): rows in work items handed out dynamically (file comment). */
-static void gemv(const qweight *w, dot_fn dot, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
-                 int threads) {
+static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, const float *bias, float *y,
+                 int64_t t, int threads) {
     tables();
     const int64_t n = w->n, per = CHUNK_BYTES / (w->row_bytes > 0 ? w->row_bytes : 1);
     const int64_t rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
     int nth = threads < items ? threads : (int)items;
     nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
 #pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t r1 = (i + 1) * rows < n ? (i + 1) * rows : n;
-        for (int64_t r = i * rows; r < r1; r++)
-            for (int64_t j = 0; j < t; j++) {
-                const float v = dot(w, r, x + j * xs);
-                y[j * n + r] = bias ? v + bias[r] : v;
-            }
-    }
+    for (int64_t i = 0; i < items; i++)
+        rows_of(w, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n, x, xs, bias, y, t);
 }
 
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
@@ -285,7 +324,7 @@ static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float
 void zllm_qgemv_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, const float *x, int64_t xs,
                     const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scale, 0, 0.0f, n, k, bk, bn, k};
-    gemv(&w, dot_fp8, x, xs, bias, y, t, threads);
+    gemv(&w, rows_fp8, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, int64_t n, int64_t k,
                       int64_t r0, int64_t r1, float *out, int threads) {
@@ -298,7 +337,7 @@ void zllm_qgemv_##NAME(const uint8_t *q, const float *scales, const uint8_t *zer
                        const float *x, int64_t xs, const float *bias, float *y, int64_t t,          \
                        int64_t n, int64_t k, int threads) {                                         \
     const qweight w = {q, scales, zeros, 0.0f, n, k, g, 1, ROW_BYTES};                              \
-    gemv(&w, dot_##NAME, x, xs, bias, y, t, threads);                                               \
+    gemv(&w, rows_##NAME, x, xs, bias, y, t, threads);                                               \
 }                                                                                                   \
 void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,    \
                          int64_t n, int64_t k, int64_t r0, int64_t r1, float *out, int threads) {   \
@@ -312,7 +351,7 @@ INT_ENTRIES(int8, k)
 void zllm_qgemv_mxfp4(const uint8_t *q, const uint8_t *scales, const float *x, int64_t xs, const float *bias,
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, 0.0f, n, k, 32, 1, k / 2};
-    gemv(&w, dot_mxfp4, x, xs, bias, y, t, threads);
+    gemv(&w, rows_mxfp4, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int64_t k, int64_t r0, int64_t r1,
                         float *out, int threads) {
@@ -323,7 +362,7 @@ void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int6
 void zllm_qgemv_nvfp4(const uint8_t *q, const uint8_t *scales, float global, const float *x, int64_t xs,
                       const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, global, n, k, 16, 1, k / 2};
-    gemv(&w, dot_nvfp4, x, xs, bias, y, t, threads);
+    gemv(&w, rows_nvfp4, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_nvfp4(const uint8_t *q, const uint8_t *scales, float global, int64_t n, int64_t k, int64_t r0,
                         int64_t r1, float *out, int threads) {
