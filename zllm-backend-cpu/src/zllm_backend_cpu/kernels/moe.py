@@ -69,8 +69,9 @@ def torch_linear_invariant(
     return invariant.linear_dense_invariant(x, weight, bias)
 
 
-def _in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` over fixed ``[RT, C]`` zero-padded tiles of ``x [T, C]``, rows kept in order."""
+def in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over fixed ``[RT, C]`` zero-padded tiles of ``x [T, C]``, rows kept in order (a
+    batch-invariant elementwise ``fn``)."""
     t, c = x.shape
     tile = torch.zeros(ROUTER_TILE, c)
     parts = []
@@ -82,9 +83,11 @@ def _in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return torch.cat(parts) if parts else fn(x)
 
 
-def _route_in_tiles(
+def route_in_tiles(
     router_logits: torch.Tensor, router: RouterConfig, correction_bias: torch.Tensor | None
 ) -> RouterOutput:
+    """:func:`select_experts` over fixed ``[RT, E]`` zero-padded tiles of ``router_logits``
+    ``[T, E]``: a token's experts and weights whatever else is in the batch."""
     ids, weights = [], []
     for start in range(0, router_logits.shape[0], ROUTER_TILE):
         rows = router_logits[start : start + ROUTER_TILE]
@@ -159,7 +162,8 @@ def _moe(
     return out
 
 
-def _check_args(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig) -> None:
+def check_args(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig) -> None:
+    """Internal invariants of the ``moe`` op's inputs: f32 ``x [T, K]``, f32 logits ``[T, E]``."""
     assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)
     assert tuple(router_logits.shape) == (x.shape[0], router.num_experts), (
         router_logits.shape,
@@ -184,9 +188,9 @@ def run_moe(
 ) -> torch.Tensor:
     """Route, bucket, run the selected experts through ``linear`` / ``silu_mul``, weighted sum
     (module doc); ``batch_invariant`` tiles the router and the shared-expert gate."""
-    _check_args(x, router_logits, router)
+    check_args(x, router_logits, router)
     if batch_invariant:
-        routing = _route_in_tiles(router_logits, router, correction_bias)
+        routing = route_in_tiles(router_logits, router, correction_bias)
         return _moe(
             x,
             routing,
@@ -196,7 +200,7 @@ def run_moe(
             shared,
             linear,
             silu_mul,
-            lambda z: _in_tiles(torch.sigmoid, z),
+            lambda z: in_tiles(torch.sigmoid, z),
         )
     routing = select_experts(router_logits, router, correction_bias)
     return _moe(x, routing, gate_exps, up_exps, down_exps, shared, linear, silu_mul, torch.sigmoid)
