@@ -1,9 +1,9 @@
 """The native MoE kernel (``csrc/moe.c``) for a given routing: the sum over each token's slots
 computed expert by expert with the f32 reference, whatever the ids (repeated, unselected),
 the formats of the six matrices and the shared expert; the same bits whatever the thread
-count and whatever else is in the call; a bad id poisons the output instead of reading
-outside the weights. Routing through the core's router and the conformance cases are in
-test_cpu_moe.py."""
+count, whatever else is in the call and however a prefill is cut into calls; a bad id
+poisons the output instead of reading outside the weights. Routing through the core's
+router and the conformance cases are in test_cpu_moe.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from zllm.conformance.cases import make_expert_stack
 from zllm.domain.moe import SharedExperts, swiglu_ffn
-from zllm_backend_cpu.kernels import GEMV_FORMATS
+from zllm_backend_cpu.kernels import GEMV_FORMATS, moe_gemv
 from zllm_backend_cpu.kernels.moe_gemv import moe_experts
 from zllm_backend_cpu.kernels.native import unavailable_reason
 
@@ -72,7 +72,7 @@ def test_each_token_gets_its_slots_summed_expert_by_expert_even_with_repeated_id
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q4_1"])
-def test_a_row_has_the_same_bits_alone_in_a_batch_and_with_any_thread_count(fmt):
+def test_a_row_has_the_same_bits_alone_in_a_batch_in_chunks_and_with_any_thread_count(fmt, monkeypatch):
     # experts large enough (~0.5-1 MiB each) that the kernel splits the work over the threads
     g = torch.Generator().manual_seed(1)
     hidden, width, t = 256, 512, 9
@@ -90,7 +90,11 @@ def test_a_row_has_the_same_bits_alone_in_a_batch_and_with_any_thread_count(fmt)
     finally:
         torch.set_num_threads(threads)
 
+    monkeypatch.setattr(moe_gemv, "MOE_CHUNK_TOKENS", 4)
+    chunked = moe_experts(x, ids, weights, gate, up, down, shared)
+
     assert torch.equal(batch, single)
+    assert torch.equal(batch, chunked)
     for row in (0, 4, t - 1):
         alone = moe_experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1], gate, up, down, shared)
         assert torch.equal(alone[0], batch[row]), row

@@ -18,11 +18,12 @@ token, ``N`` expert width, ``n_e`` rows routed to expert ``e``, ``RT`` rows of a
    over ``[T, K]``, not a scatter per expert), then the shared experts are added
    (``sigmoid(x gate^T) *`` the shared FFN for Qwen2-MoE).
 
-Four kernels differ only in the ``linear`` / ``silu_mul`` kernels they run (registered in
-:mod:`zllm_backend_cpu.kernels`): :func:`moe` (torch), ``moe_gemv`` of :mod:`.moe_gemv`
-(native GEMV for buckets of up to 16 rows, so a decode step streams each selected expert once
-in its own format), and the batch-invariant :func:`moe_invariant` / ``moe_gemv_invariant``.
-The invariant ones make every output row bit-identical whatever else is in the batch: the router
+:func:`moe` and :func:`moe_invariant` differ only in the ``linear`` / ``silu_mul`` kernels
+they run (registered in :mod:`zllm_backend_cpu.kernels`); ``moe_gemv`` of :mod:`.moe_gemv` runs
+this algorithm in one native call per layer (``csrc/moe.c``) and uses :func:`moe_kernel`'s loop
+only for weights the native GEMV does not have (k-quants).
+
+The batch-invariant kernels make every output row bit-identical whatever else is in the batch: the router
 and the shared-expert gate run over fixed ``[RT, E]`` / ``[RT, 1]`` tiles (an elementwise
 ``softmax``/``sigmoid`` over a tensor whose size changes with ``T`` puts a row's elements in
 SIMD lanes or a scalar tail depending on ``T``), the experts through the invariant ``linear``

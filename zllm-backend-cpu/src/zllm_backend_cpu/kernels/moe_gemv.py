@@ -9,9 +9,13 @@ dispatches an expert (128-156 experts a step for the benchmark's models), more t
 expert GEMVs themselves. The native call buckets the (token, slot) pairs by expert, streams
 each selected expert's rows once for all the tokens that chose it (the native GEMV's row
 kernels, ``csrc/gemv.c``) and sums each token's rows in ascending expert index, the order of
-the reference. Calls of more than :data:`MOE_NATIVE_MAX_TOKENS` tokens, and weights in a format
-the native GEMV does not have (k-quants), take :mod:`.moe`'s per-expert loop over the native
-GEMV / torch ``linear`` kernels. Registered only when the native library loads.
+the reference. Prefill takes the same kernel, :data:`MOE_CHUNK_TOKENS` tokens a call (which
+bounds its scratch): its buckets hold a few to a few dozen rows each, where the row kernels
+(weights widened once per pair of rows, in L1) beat a torch GEMM per expert with its tile
+decode and dispatches (measured 4-20x on the benchmark's Qwen3-MoE layer at 32-128 tokens, 2
+threads, on a busy machine). Weights in a format the native GEMV does not have (k-quants) take
+:mod:`.moe`'s per-expert loop over the torch ``linear`` kernels. Registered only when the
+native library loads.
 
 Numerics: those of ``csrc/gemv.c`` for each product (dense formats: f32 products, ~1e-6 from
 the reference; block formats: ``x`` and the expert's hidden row ``h`` quantized to int16 per
@@ -41,9 +45,9 @@ from zllm_backend_cpu.kernels.moe import (
 )
 from zllm_backend_cpu.kernels.native import I64, INT, P, function
 
-# T above this takes the per-expert loop; a prefill's buckets hold many rows each, where torch's
-# GEMM (and its tile decode) beats the native row kernels
-MOE_NATIVE_MAX_TOKENS = 16
+# tokens per native call: scratch ~ T * (2 k K + 2 k N) f32 values (~14 MiB for the benchmark's
+# Qwen3-MoE layer), and a token's result does not depend on its chunk
+MOE_CHUNK_TOKENS = 256
 
 _FORMAT_NUMBER = {fmt: i for i, fmt in enumerate(GEMV_FORMATS)}  # gemv.h's enum
 # zllm_moe(x, x_row_stride, T, K, ids, weights, k, E, N, desc, Ns, shared_scale | NULL, out, threads)
@@ -61,7 +65,7 @@ def _gemv_or(native: Linear, fallback: Linear) -> Linear:
 
 _loop = moe_kernel(
     "moe_gemv_loop", _gemv_or(gemv.linear_gemv, torch_linear), elementwise.silu_mul, batch_invariant=False,
-    doc="The per-expert loop of :mod:`.moe` over the native GEMV (k-quants and prefill: torch).",
+    doc="The per-expert loop of :mod:`.moe` over the native GEMV (k-quants: torch).",
 )
 _loop_invariant = moe_kernel(
     "moe_gemv_loop_invariant", _gemv_or(gemv.linear_gemv_invariant, torch_linear_invariant), elementwise.silu_mul,
@@ -132,11 +136,12 @@ def moe_experts(
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     scale = None if shared_scale is None else shared_scale.float().contiguous().view(t)
     out = torch.empty(t, hidden)  # [T, K]
-    if t:
-        function("zllm_moe", *_ARGTYPES)(
-            x.data_ptr(), x.stride(0), t, hidden, ids.data_ptr(), weights.data_ptr(), top_k, n_experts, width,
-            desc, shared_width, None if scale is None else scale.data_ptr(), out.data_ptr(),
-            torch.get_num_threads())
+    fn, threads = function("zllm_moe", *_ARGTYPES), torch.get_num_threads()
+    for start in range(0, t, MOE_CHUNK_TOKENS):
+        rows = min(MOE_CHUNK_TOKENS, t - start)
+        fn(x[start].data_ptr(), x.stride(0), rows, hidden, ids[start].data_ptr(), weights[start].data_ptr(), top_k,
+           n_experts, width, desc, shared_width, None if scale is None else scale[start].data_ptr(),
+           out[start].data_ptr(), threads)
     return out
 
 
@@ -151,11 +156,10 @@ def _shared_scale(x: torch.Tensor, shared: SharedExperts | None, invariant: bool
 def moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
              up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
              shared: SharedExperts | None = None) -> torch.Tensor:
-    """The MoE FFN by the native kernel for calls of up to :data:`MOE_NATIVE_MAX_TOKENS` tokens
-    (module doc), the per-expert loop otherwise and for k-quant weights; arguments as
+    """The MoE FFN by the native kernel (module doc), k-quant weights by the per-expert loop; arguments as
     :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError when the native library is
     unavailable (the plugin registers this kernel only when it loads)."""
-    if x.shape[0] > MOE_NATIVE_MAX_TOKENS or not native_formats(gate_exps, up_exps, down_exps, shared):
+    if not native_formats(gate_exps, up_exps, down_exps, shared):
         return _loop(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)
     check_args(x, router_logits, router)
     routing = select_experts(router_logits, router, correction_bias)
@@ -166,8 +170,8 @@ def moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig,
 def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
                        up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
                        shared: SharedExperts | None = None) -> torch.Tensor:
-    """Batch-invariant :func:`moe_gemv`: the native kernel for every ``T`` (batch-invariant
-    itself), the router and the shared-expert gate over fixed tiles; k-quant weights take the
+    """Batch-invariant :func:`moe_gemv`: the native kernel (batch-invariant itself), the router
+    and the shared-expert gate over fixed tiles; k-quant weights take the
     batch-invariant per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`."""
     if not native_formats(gate_exps, up_exps, down_exps, shared):
         return _loop_invariant(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)

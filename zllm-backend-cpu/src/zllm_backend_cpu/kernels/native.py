@@ -4,7 +4,8 @@ why it is unavailable.
 
 The library holds the decode-step kernels: GEMV for ``linear`` (``csrc/gemv.c``), RMSNorm,
 fused add + RMSNorm, RoPE and SiLU-and-mul (``csrc/elementwise.c``), paged decode
-attention (``csrc/attention.c``) and MLA decode over the paged latent cache (``csrc/mla.c``).
+attention (``csrc/attention.c``), MLA decode over the paged latent cache (``csrc/mla.c``) and
+the MoE FFN (``csrc/moe.c``).
 
 It is optional. It is missing where the install had no C compiler or the platform is not
 x86-64; it is refused when the CPU lacks AVX2/FMA/F16C or the file is a stale build of
