@@ -16,19 +16,21 @@
  * [Ns, K], down [K, Ns] (address 0: no shared expert); shared_scale [T] f32 multiplies the
  * shared expert's output (Qwen2-MoE's sigmoid gate), or NULL for 1; out [T, K] f32.
  *
- * Steps (phases of one OpenMP team, a barrier between them):
- *   A. bucket: pairs sorted by expert, stable (a token's pairs keep their slot order within an
- *      expert), so expert e's pairs are one contiguous run; x gathered per pair in that order
- *      (and quantized per row of 32 when a gate / up matrix is a block format);
- *   B. per (expert, tile of gate / up rows): gate and up rows for the expert's pairs (gemv.h's
- *      row kernels, each weight row read once for all of them), then h = silu(g) * u on the
- *      tile: g / (1 + e^-g) * u with common.h's exp8 in every lane (a padded tail too), so an
- *      element's value does not depend on where a tile boundary falls;
- *   C. h quantized per pair (block-format down matrices);
- *   D. per (expert, tile of down rows): y = down . h for the expert's pairs;
- *   E. per token: out = w_0 y_0 + w_1 y_1 + ... over its pairs in ascending expert index (ties
- *      in slot order), each product rounded before its add (the reference's order: the
- *      weighted rows, then one add per slot), then + scale * the shared expert's y.
+ * Steps:
+ *   A. bucket (one thread): pairs sorted by expert, stable (a token's pairs keep their slot
+ *      order within an expert), so expert e's pairs are one contiguous run; x gathered per pair
+ *      in that order (and quantized per row of 32 when a gate / up matrix is a block format);
+ *   B. per (expert, tile of gate / up rows), on the team: gate and up rows for the expert's
+ *      pairs (gemv.h's row kernels, each weight row read once for all of them), then
+ *      h = silu(g) * u on the tile: g / (1 + e^-g) * u with common.h's exp8 in every lane (a
+ *      padded tail too), so an element's value does not depend on where a tile boundary falls;
+ *   C. h quantized per pair (block-format down matrices), by the first D item of the expert;
+ *   D. per (expert, tile of down rows), on the team: y = down . h for the expert's pairs, once
+ *      that expert's B items are done (no barrier between B and D);
+ *   E. per token (one thread): out = w_0 y_0 + w_1 y_1 + ... over its pairs in ascending
+ *      expert index (ties in slot order), each product rounded before its add (the
+ *      reference's order: the weighted rows, then one add per slot), then + scale * the
+ *      shared expert's y.
  *
  * Numerics: every value is gemv.c's (the same row kernels, one fixed reduction order per
  * format and length) followed by fixed elementwise steps; x and h are quantized per pair row,
@@ -40,14 +42,20 @@
  * of B and D (about ITEM_BYTES of weights each, expert-major) are cut into one contiguous
  * region per thread; a thread takes its own region front to back (one stream through the
  * weights), then helps with the others' (gemv.c's split), so a descheduled thread on a busy
- * machine delays one item, not its share.
+ * machine delays one item, not its share. The only waits are a D item's for its expert's B
+ * items and the team's end, both yielding the CPU (sched_yield) rather than spinning: on a
+ * machine running more threads than cores, a spinning team mate burns the time slice the
+ * descheduled one needs (measured: 4 barriers in libgomp cost 4-5x the one-thread CPU time of
+ * a 16-token Qwen3-MoE layer with 2 threads at load 9 on 2 cores; this layout 2x).
  *
  * Checks: an expert id outside [0, E), or scratch that cannot be allocated, makes the whole
  * output NaN instead of a read outside the weights.
  */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include "common.h"
 #include "gemv.h"
 
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -78,6 +86,8 @@ typedef struct {
     float *hsc;
     float *yd;
     int64_t k;
+    int64_t *b_left; /* per job: gate / up items not finished yet */
+    int *h_state;    /* per job: its h quantized? 0 no, 1 in progress, 2 yes */
 } moe_ctx;
 
 static int64_t row_bytes(int fmt, int64_t k) {
@@ -126,14 +136,29 @@ static void item_gate_up(const moe_ctx *c, int64_t item) {
     }
     for (int64_t p = 0; p < np; p++)
         silu_mul_n(c->g + jb->hoff + p * jb->width + r0, c->u + jb->hoff + p * jb->width + r0, r1 - r0);
+    __atomic_sub_fetch(&c->b_left[c->item_job[item]], 1, __ATOMIC_ACQ_REL); /* publishes this tile of h */
 }
 
-/* Step D, one item: down rows [r0, r1) of job j for its pairs -> yd. */
+/* Step D, one item: down rows [r0, r1) of job j for its pairs -> yd, once j's h is complete
+ * (and, for a block-format down matrix, quantized: step C, by the first item of j to get
+ * there). A thread reaches D only when every B item has been taken, so it waits only for
+ * items another thread is running, and yields the CPU while it does. */
 static void item_down(const moe_ctx *c, int64_t item) {
-    const job *jb = c->jobs + c->item_job[item];
+    const int j = c->item_job[item];
+    const job *jb = c->jobs + j;
     const int64_t k = c->k, n = jb->width, np = jb->p1 - jb->p0;
     const int64_t r0 = c->item_row[item], r1 = r0 + c->rows_d_max < k ? r0 + c->rows_d_max : k;
     const int block = gemv_is_block(jb->fmt[DOWN]);
+    while (__atomic_load_n(&c->b_left[j], __ATOMIC_ACQUIRE) > 0) sched_yield();
+    if (block) {
+        int idle = 0;
+        if (__atomic_compare_exchange_n(&c->h_state[j], &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            gemv_quantize_rows(c->g + jb->hoff, n, np, n, c->hq + jb->hoff, c->hsc + jb->hsoff);
+            __atomic_store_n(&c->h_state[j], 2, __ATOMIC_RELEASE);
+        } else {
+            while (__atomic_load_n(&c->h_state[j], __ATOMIC_ACQUIRE) != 2) sched_yield();
+        }
+    }
     const gemv_args a = {jb->w[DOWN], jb->ws[DOWN], block ? 0 : c->g + jb->hoff, n,
                          block ? c->hq + jb->hoff : 0, block ? c->hsc + jb->hsoff : 0,
                          0, c->yd + jb->p0 * k, np, k, n};
@@ -195,7 +220,9 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     float *yd = malloc((size_t)(ptot * k) * sizeof(float));
     int32_t *item_job = 0;
     int64_t *item_row = 0;
-    if (!count || !pair_of || !tok_pairs || !jobs || (need_xf && !xg) || (need_xq && (!xq || !xsc)) || !g || !u ||
+    int64_t *b_left = calloc((size_t)n_experts + 1, sizeof(int64_t));
+    int *h_state = calloc((size_t)n_experts + 1, sizeof(int));
+    if (!count || !pair_of || !tok_pairs || !jobs || !b_left || !h_state || (need_xf && !xg) || (need_xq && (!xq || !xsc)) || !g || !u ||
         (need_hq && (!hq || !hsc)) || !yd) {
         fill_nan(out, t, k);
         goto done;
@@ -270,66 +297,65 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     }
     for (int64_t p = pairs; p < ptot; p++) pair_of[p] = -1 - (p - pairs); /* shared pair of token p - pairs */
 
+    /* A: x gathered (and quantized) per pair in bucket order; on one thread, as E: a few
+     * microseconds a decode step, and no barrier for a descheduled thread to hold up */
+    for (int64_t p = 0; p < ptot; p++) {
+        const int64_t tok = pair_of[p] >= 0 ? pair_of[p] / top_k : -1 - pair_of[p];
+        if (need_xf) memcpy(xg + p * k, x + tok * xs, (size_t)k * sizeof(float));
+        if (need_xq) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
+    }
+    for (int j = 0; j < njobs; j++) b_left[j] = (jobs[j].width + rows_b - 1) / rows_b;
+
     int nth = threads < MAX_THREADS ? threads : MAX_THREADS;
     if (selected_bytes < PARALLEL_MIN_BYTES || nth < 1) nth = 1;
     int64_t next_b[MAX_THREADS], next_d[MAX_THREADS];
     const int64_t per_b = (items_b + nth - 1) / nth, per_d = (items_d + nth - 1) / nth;
     for (int i = 0; i < nth; i++) next_b[i] = i * per_b, next_d[i] = i * per_d;
-    const moe_ctx c = {jobs, item_job, item_row, items_b, rows_b, rows_d, xg, xq, xsc, g, u, hq, hsc, yd, k};
+    const moe_ctx c = {jobs, item_job, item_row, items_b, rows_b, rows_d, xg, xq, xsc, g, u, hq, hsc, yd, k,
+                       b_left, h_state};
 
+    /* B then D (C inside D), no barrier between: a D item waits only for its own expert's B
+     * items. A thread that runs out of items yields until the whole team has, and only then
+     * enters the closing barrier: libgomp spins there, burning the time slice a descheduled
+     * team mate needs (5x the CPU time of one thread on an oversubscribed machine). */
+    int arrived = 0;
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
-        /* A: x gathered (and quantized) per pair in bucket order */
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < ptot; p++) {
-            const int64_t tok = pair_of[p] >= 0 ? pair_of[p] / top_k : -1 - pair_of[p];
-            if (need_xf) memcpy(xg + p * k, x + tok * xs, (size_t)k * sizeof(float));
-            if (need_xq) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
-        }
-        /* B: gate / up, silu * up (the for above ends with a barrier) */
         take_items(&c, item_gate_up, 0, items_b, nth, next_b);
-#pragma omp barrier
-        /* C: h quantized per pair for the block-format down matrices */
-        if (need_hq) {
-#pragma omp for schedule(static)
-            for (int j = 0; j < njobs; j++)
-                if (gemv_is_block(jobs[j].fmt[DOWN]))
-                    gemv_quantize_rows(g + jobs[j].hoff, jobs[j].width, jobs[j].p1 - jobs[j].p0, jobs[j].width,
-                                       hq + jobs[j].hoff, hsc + jobs[j].hsoff);
-        }
-        /* D: down */
         take_items(&c, item_down, items_b, items_d, nth, next_d);
-#pragma omp barrier
-        /* E: each token's weighted sum, ascending expert, then the shared expert */
-#pragma omp for schedule(static)
-        for (int64_t tok = 0; tok < t; tok++) {
-            float *o = out + tok * k;
-            for (int64_t s = 0; s < top_k; s++) {
-                const int64_t p = tok_pairs[tok * top_k + s];
-                const float w = weights[pair_of[p]], *y = yd + p * k;
-                const __m256 wv = _mm256_set1_ps(w);
-                int64_t j = 0;
-                if (s == 0) {
-                    for (; j + 8 <= k; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(wv, _mm256_loadu_ps(y + j)));
-                    for (; j < k; j++) o[j] = w * y[j];
-                } else {
-                    for (; j + 8 <= k; j += 8)
-                        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(wv, _mm256_loadu_ps(y + j))));
-                    for (; j < k; j++) o[j] += w * y[j];
-                }
-            }
-            if (top_k == 0) memset(o, 0, (size_t)k * sizeof(float));
-            if (shared) {
-                const float w = shared_scale ? shared_scale[tok] : 1.0f, *y = yd + (pairs + tok) * k;
-                const __m256 wv = _mm256_set1_ps(w);
-                int64_t j = 0;
+        const int team = omp_get_num_threads();
+        __atomic_add_fetch(&arrived, 1, __ATOMIC_ACQ_REL);
+        while (__atomic_load_n(&arrived, __ATOMIC_ACQUIRE) < team) sched_yield();
+    }
+
+    /* E: each token's weighted sum, ascending expert, then the shared expert */
+    for (int64_t tok = 0; tok < t; tok++) {
+        float *o = out + tok * k;
+        for (int64_t s = 0; s < top_k; s++) {
+            const int64_t p = tok_pairs[tok * top_k + s];
+            const float w = weights[pair_of[p]], *y = yd + p * k;
+            const __m256 wv = _mm256_set1_ps(w);
+            int64_t j = 0;
+            if (s == 0) {
+                for (; j + 8 <= k; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(wv, _mm256_loadu_ps(y + j)));
+                for (; j < k; j++) o[j] = w * y[j];
+            } else {
                 for (; j + 8 <= k; j += 8)
                     _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(wv, _mm256_loadu_ps(y + j))));
                 for (; j < k; j++) o[j] += w * y[j];
             }
         }
+        if (top_k == 0) memset(o, 0, (size_t)k * sizeof(float));
+        if (shared) {
+            const float w = shared_scale ? shared_scale[tok] : 1.0f, *y = yd + (pairs + tok) * k;
+            const __m256 wv = _mm256_set1_ps(w);
+            int64_t j = 0;
+            for (; j + 8 <= k; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(wv, _mm256_loadu_ps(y + j))));
+            for (; j < k; j++) o[j] += w * y[j];
+        }
     }
 done:
     free(count), free(pair_of), free(tok_pairs), free(jobs), free(xg), free(xq), free(xsc), free(g), free(u);
-    free(hq), free(hsc), free(yd), free(item_job), free(item_row);
+    free(hq), free(hsc), free(yd), free(item_job), free(item_row), free(b_left), free(h_state);
 }
