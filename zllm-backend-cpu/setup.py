@@ -34,7 +34,7 @@ class PlatformWheel(bdist_wheel):
 NATIVE = Extension(
     "zllm_backend_cpu._native",
     sources=sorted(str(p.relative_to(Path(__file__).parent)) for p in (Path(__file__).parent / "csrc").glob("*.c")),
-    depends=["csrc/common.h", "csrc/paged.h"],
+    depends=["csrc/common.h", "csrc/gemv.h", "csrc/paged.h"],
     # The ISA flags name exactly what the intrinsics need (checked at load time); -mtune
     # schedules for the machine that builds (and runs) it. No -ffast-math and no
     # contraction: the reduction order is part of the kernels' contract (see gemv.c, attention.c).

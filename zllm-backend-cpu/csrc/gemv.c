@@ -63,6 +63,7 @@
  * only the item it holds instead of its whole share.
  */
 #include "common.h"
+#include "gemv.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -249,18 +250,6 @@ QUANT_DOT(q5_1, 24, 1)
 
 /* ---- rows [r0, r1) for all T tokens: pairs of tokens, then a last single one ---- */
 
-/* One call's operands; xq / xsc: x quantized per block (block formats only, else NULL). */
-typedef struct {
-    const void *w;
-    int64_t ws;
-    const float *x;
-    int64_t xs;
-    int16_t *xq;
-    float *xsc;
-    const float *bias;
-    float *y;
-    int64_t t, n, k;
-} gemv_args;
 
 #define DENSE_ROWS(NAME, WT)                                                                    \
 static void rows_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {                           \
@@ -297,8 +286,6 @@ QUANT_ROWS(q5_0)
 QUANT_ROWS(q5_1)
 
 /* ---- the thread split, entry points ---- */
-
-typedef void (*rows_fn)(const gemv_args *a, int64_t r0, int64_t r1);
 
 /* Quantizes x (block formats: a->xq set) and runs rows(a, r0, r1) over all N rows with at most
  * `threads` threads (file comment: work items, one region per thread). */
@@ -383,3 +370,18 @@ QUANT_ENTRY(q4_0, 18)
 QUANT_ENTRY(q4_1, 20)
 QUANT_ENTRY(q5_0, 22)
 QUANT_ENTRY(q5_1, 24)
+
+/* ---- for the other kernels (gemv.h) ---- */
+
+rows_fn gemv_rows(int format) {
+    static const rows_fn table[GEMV_NFORMATS] = {rows_f32, rows_f16, rows_bf16, rows_q8_0, rows_q4_0,
+                                                 rows_q4_1, rows_q5_0, rows_q5_1};
+    return format >= 0 && format < GEMV_NFORMATS ? table[format] : 0;
+}
+
+int gemv_is_block(int format) { return format >= GEMV_Q8_0; }
+
+void gemv_quantize_rows(const float *x, int64_t xs, int64_t t, int64_t k, int16_t *xq, float *xsc) {
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t b = 0; b < k / 32; b++) quantize_block(x + i * xs + 32 * b, xq + i * k + 32 * b, xsc + i * (k / 32) + b);
+}

@@ -15,7 +15,7 @@ highest; batch-invariant mode the highest batch-invariant one):
 - -2: torch, batch-invariant (:data:`INVARIANT_KERNELS`).
 
 The other ops follow the same rule: the native kernels (:data:`NATIVE_KERNELS`: RMSNorm, add +
-RMSNorm, RoPE, SiLU-and-mul, paged attention, MLA decode, the MoE FFN over native GEMV) at
+RMSNorm, RoPE, SiLU-and-mul, paged attention, MLA decode, the native MoE FFN) at
 priority 1 over the torch ones at 0; ``moe`` has batch-invariant kernels at -1 (native) and -2
 (torch) as ``linear`` does.
 

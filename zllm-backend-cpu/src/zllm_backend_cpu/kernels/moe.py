@@ -18,11 +18,12 @@ token, ``N`` expert width, ``n_e`` rows routed to expert ``e``, ``RT`` rows of a
    over ``[T, K]``, not a scatter per expert), then the shared experts are added
    (``sigmoid(x gate^T) *`` the shared FFN for Qwen2-MoE).
 
-Four kernels differ only in the ``linear`` / ``silu_mul`` kernels they run (registered in
-:mod:`zllm_backend_cpu.kernels`): :func:`moe` (torch), ``moe_gemv`` of :mod:`.moe_gemv`
-(native GEMV for buckets of up to 16 rows, so a decode step streams each selected expert once
-in its own format), and the batch-invariant :func:`moe_invariant` / ``moe_gemv_invariant``.
-The invariant ones make every output row bit-identical whatever else is in the batch: the router
+:func:`moe` and :func:`moe_invariant` differ only in the ``linear`` / ``silu_mul`` kernels
+they run (registered in :mod:`zllm_backend_cpu.kernels`); ``moe_gemv`` of :mod:`.moe_gemv` runs
+this algorithm in one native call per layer (``csrc/moe.c``) and uses :func:`moe_kernel`'s loop
+only for weights the native GEMV does not have (k-quants).
+
+The batch-invariant kernels make every output row bit-identical whatever else is in the batch: the router
 and the shared-expert gate run over fixed ``[RT, E]`` / ``[RT, 1]`` tiles (an elementwise
 ``softmax``/``sigmoid`` over a tensor whose size changes with ``T`` puts a row's elements in
 SIMD lanes or a scalar tail depending on ``T``), the experts through the invariant ``linear``
@@ -69,8 +70,9 @@ def torch_linear_invariant(
     return invariant.linear_dense_invariant(x, weight, bias)
 
 
-def _in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` over fixed ``[RT, C]`` zero-padded tiles of ``x [T, C]``, rows kept in order."""
+def in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over fixed ``[RT, C]`` zero-padded tiles of ``x [T, C]``, rows kept in order (a
+    batch-invariant elementwise ``fn``)."""
     t, c = x.shape
     tile = torch.zeros(ROUTER_TILE, c)
     parts = []
@@ -82,9 +84,11 @@ def _in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return torch.cat(parts) if parts else fn(x)
 
 
-def _route_in_tiles(
+def route_in_tiles(
     router_logits: torch.Tensor, router: RouterConfig, correction_bias: torch.Tensor | None
 ) -> RouterOutput:
+    """:func:`select_experts` over fixed ``[RT, E]`` zero-padded tiles of ``router_logits``
+    ``[T, E]``: a token's experts and weights whatever else is in the batch."""
     ids, weights = [], []
     for start in range(0, router_logits.shape[0], ROUTER_TILE):
         rows = router_logits[start : start + ROUTER_TILE]
@@ -159,7 +163,8 @@ def _moe(
     return out
 
 
-def _check_args(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig) -> None:
+def check_args(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig) -> None:
+    """Internal invariants of the ``moe`` op's inputs: f32 ``x [T, K]``, f32 logits ``[T, E]``."""
     assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)
     assert tuple(router_logits.shape) == (x.shape[0], router.num_experts), (
         router_logits.shape,
@@ -184,9 +189,9 @@ def run_moe(
 ) -> torch.Tensor:
     """Route, bucket, run the selected experts through ``linear`` / ``silu_mul``, weighted sum
     (module doc); ``batch_invariant`` tiles the router and the shared-expert gate."""
-    _check_args(x, router_logits, router)
+    check_args(x, router_logits, router)
     if batch_invariant:
-        routing = _route_in_tiles(router_logits, router, correction_bias)
+        routing = route_in_tiles(router_logits, router, correction_bias)
         return _moe(
             x,
             routing,
@@ -196,7 +201,7 @@ def run_moe(
             shared,
             linear,
             silu_mul,
-            lambda z: _in_tiles(torch.sigmoid, z),
+            lambda z: in_tiles(torch.sigmoid, z),
         )
     routing = select_experts(router_logits, router, correction_bias)
     return _moe(x, routing, gate_exps, up_exps, down_exps, shared, linear, silu_mul, torch.sigmoid)

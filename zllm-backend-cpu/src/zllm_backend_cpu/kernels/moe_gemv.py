@@ -1,22 +1,57 @@
-"""``moe`` with the experts' rows through the native GEMV kernels (:mod:`.gemv`) and the native
-``silu_mul`` (:mod:`.elementwise`); the algorithm is :mod:`.moe`'s.
+"""``moe`` through the native MoE kernel (:mod:`.native`, ``csrc/moe.c``): after the core's f32
+router, one C call per layer runs every selected expert's gate/up GEMV, SiLU-and-mul and down
+GEMV, the weighted sum and the shared expert, in the weights' stored formats.
 
 Dimension legend as in :mod:`.moe`.
 
-A decode step routes each token to ``k`` experts, so each selected expert multiplies a bucket
-of a few rows: the native GEMV streams that expert's blocks once in their stored format, the
-bandwidth-bound case it is written for (only the selected experts' bytes are read). Buckets
-of more than 16 rows (prefill) and k-quant weights, which the native GEMV does not have, take
-the torch kernels. Registered only when the native library loads.
+A decode step routes each token to ``k`` experts; a per-expert loop in Python cost 6-8 torch
+dispatches an expert (128-156 experts a step for the benchmark's models), more than the
+expert GEMVs themselves. The native call buckets the (token, slot) pairs by expert, streams
+each selected expert's rows once for all the tokens that chose it (the native GEMV's row
+kernels, ``csrc/gemv.c``) and sums each token's rows in ascending expert index, the order of
+the reference. Prefill takes the same kernel, :data:`MOE_CHUNK_TOKENS` tokens a call (which
+bounds its scratch): its buckets hold a few to a few dozen rows each, where the row kernels
+(weights widened once per pair of rows, in L1) beat a torch GEMM per expert with its tile
+decode and dispatches (measured 4-20x on the benchmark's Qwen3-MoE layer at 32-128 tokens, 2
+threads, on a busy machine). Weights in a format the native GEMV does not have (k-quants) take
+:mod:`.moe`'s per-expert loop over the torch ``linear`` kernels. Registered only when the
+native library loads.
+
+Numerics: those of ``csrc/gemv.c`` for each product (dense formats: f32 products, ~1e-6 from
+the reference; block formats: ``x`` and the expert's hidden row ``h`` quantized to int16 per
+block of 32, ~1e-5 relative); every value is reduced in a fixed order that depends only on the
+shapes and formats, and each token's activations are quantized from its own rows, so an output
+row is bit-identical whatever else is in the call and whatever the thread count:
+:func:`moe_gemv_invariant` runs the native kernel for every ``T``.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from zllm.plugin_api import format_of
-from zllm_backend_cpu.kernels import elementwise, gemv, quant_gemv
-from zllm_backend_cpu.kernels.moe import Linear, Weight, moe_kernel, torch_linear, torch_linear_invariant
+from zllm.plugin_api import QuantizedTensor, RouterConfig, SharedExperts, format_of, select_experts
+from zllm_backend_cpu.kernels import GEMV_FORMATS, elementwise, gemv, quant_gemv
+from zllm_backend_cpu.kernels.moe import (
+    Linear,
+    Weight,
+    check_args,
+    in_tiles,
+    moe_kernel,
+    route_in_tiles,
+    torch_linear,
+    torch_linear_invariant,
+)
+from zllm_backend_cpu.kernels.native import I64, INT, P, function
+
+# tokens per native call: scratch ~ T * (2 k K + 2 k N) f32 values (~14 MiB for the benchmark's
+# Qwen3-MoE layer), and a token's result does not depend on its chunk
+MOE_CHUNK_TOKENS = 256
+
+_FORMAT_NUMBER = {fmt: i for i, fmt in enumerate(GEMV_FORMATS)}  # gemv.h's enum
+# zllm_moe(x, x_row_stride, T, K, ids, weights, k, E, N, desc, Ns, shared_scale | NULL, out, threads)
+_ARGTYPES = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, P, INT)
 
 
 def _gemv_or(native: Linear, fallback: Linear) -> Linear:
@@ -39,21 +74,119 @@ def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch
     return _GEMV_OR_TORCH(x, weight, bias)
 
 
-_LINEAR = _linear
-_LINEAR_INVARIANT = _gemv_or(gemv.linear_gemv_invariant, torch_linear_invariant)
-
-
-moe_gemv = moe_kernel(
-    "moe_gemv", _LINEAR, elementwise.silu_mul, batch_invariant=False,
-    doc=""":func:`~zllm_backend_cpu.kernels.moe.moe` with each bucket of up to 16 rows through the
-    native GEMV (one read of the expert's blocks), larger ones and k-quant weights through the
-    torch kernels; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError
-    when the native library is unavailable (the plugin registers this kernel only when it loads).""",
+_loop = moe_kernel(
+    "moe_gemv_loop", _linear, elementwise.silu_mul, batch_invariant=False,
+    doc="The per-expert loop of :mod:`.moe` over the native GEMVs (k-quants: torch).",
+)
+_loop_invariant = moe_kernel(
+    "moe_gemv_loop_invariant", _gemv_or(gemv.linear_gemv_invariant, torch_linear_invariant), elementwise.silu_mul,
+    batch_invariant=True, doc="Batch-invariant per-expert loop (k-quants: the invariant torch ``linear``).",
 )
 
-moe_gemv_invariant = moe_kernel(
-    "moe_gemv_invariant", _LINEAR_INVARIANT, elementwise.silu_mul, batch_invariant=True,
-    doc="""Batch-invariant :func:`moe_gemv`: native GEMV for every bucket (batch-invariant for any
-    row count), the invariant torch ``linear`` for k-quants, the native ``silu_mul`` (each row
-    alone), tiled router and gate; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`.""",
-)
+
+def _matrix(stack: Weight) -> tuple[list[int], torch.Tensor]:
+    """``[address, expert stride in bytes, row stride, format number]`` of a ``[E, R, C]`` or
+    ``[R, C]`` weight (row stride in elements, bytes for the block formats) and the tensor
+    holding its bytes (kept alive for the call)."""
+    data = stack.data if isinstance(stack, QuantizedTensor) else stack
+    if data.stride(-1) != 1:
+        data = data.contiguous()
+    expert_stride = data.stride(0) * data.element_size() if data.dim() == 3 else 0
+    return [data.data_ptr(), expert_stride, data.stride(-2), _FORMAT_NUMBER[format_of(stack)]], data
+
+
+def native_formats(gate_exps: Weight, up_exps: Weight, down_exps: Weight, shared: SharedExperts | None) -> bool:
+    """Whether the native kernel has every weight's format (each of the six may differ)."""
+    weights = [gate_exps, up_exps, down_exps]
+    if shared is not None:
+        weights += [shared.gate_proj, shared.up_proj, shared.down_proj]
+    return all(format_of(w) in _FORMAT_NUMBER for w in weights)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_exps: Weight,
+    up_exps: Weight,
+    down_exps: Weight,
+    shared: SharedExperts | None = None,
+    shared_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum (+ the shared expert) by the native kernel, for a given
+    routing: ``x`` f32 ``[T, K]``; ``topk_ids`` int64 ``[T, k]`` (an expert may repeat: each
+    slot counts); ``topk_weights`` f32 ``[T, k]``; ``gate_exps``, ``up_exps`` ``[E, N, K]`` and
+    ``down_exps`` ``[E, K, N]`` in a native GEMV format (:data:`GEMV_FORMATS`, each its own);
+    ``shared`` experts in such formats or None; ``shared_scale`` f32 ``[T]`` or ``[T, 1]``
+    multiplying the shared expert's output (Qwen2-MoE's gate), or None for 1 -> f32 ``[T, K]``:
+    ``sum_slot w * down(silu(gate x) * up x)`` per token, ascending expert index.
+
+    An id outside ``[0, E)`` makes the output NaN (the kernel reads no weight for it).
+
+    Raises:
+        RuntimeError: the native library is unavailable (see :mod:`.native`).
+        KeyError: a weight format the native kernel does not have (see :func:`native_formats`).
+    """
+    t, hidden = x.shape
+    n_experts, width, k_in = gate_exps.shape
+    top_k = topk_ids.shape[1]
+    assert k_in == hidden and tuple(up_exps.shape) == (n_experts, width, hidden), (gate_exps.shape, up_exps.shape)
+    assert tuple(down_exps.shape) == (n_experts, hidden, width), (down_exps.shape, gate_exps.shape)
+    assert tuple(topk_ids.shape) == tuple(topk_weights.shape) == (t, top_k), (topk_ids.shape, topk_weights.shape)
+    assert x.dtype == topk_weights.dtype == torch.float32 and topk_ids.dtype == torch.int64
+    matrices = [gate_exps, up_exps, down_exps]
+    shared_width = 0
+    if shared is not None:
+        shared_width = shared.gate_proj.shape[0]
+        assert tuple(shared.down_proj.shape) == (hidden, shared_width), (shared.down_proj.shape, shared_width)
+        matrices += [shared.gate_proj, shared.up_proj, shared.down_proj]
+    described = [_matrix(m) for m in matrices]
+    desc = (ctypes.c_int64 * 24)(*(v for d, _ in described for v in d))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    scale = None if shared_scale is None else shared_scale.float().contiguous().view(t)
+    out = torch.empty(t, hidden)  # [T, K]
+    fn, threads = function("zllm_moe", *_ARGTYPES), torch.get_num_threads()
+    for start in range(0, t, MOE_CHUNK_TOKENS):
+        rows = min(MOE_CHUNK_TOKENS, t - start)
+        fn(x[start].data_ptr(), x.stride(0), rows, hidden, ids[start].data_ptr(), weights[start].data_ptr(), top_k,
+           n_experts, width, desc, shared_width, None if scale is None else scale[start].data_ptr(),
+           out[start].data_ptr(), threads)
+    return out
+
+
+def _shared_scale(x: torch.Tensor, shared: SharedExperts | None, invariant: bool) -> torch.Tensor | None:
+    """``sigmoid(x gate^T)`` ``[T, 1]`` of a gated shared expert, else None."""
+    if shared is None or shared.shared_expert_gate is None:
+        return None
+    logits = gemv.gemv(x, shared.shared_expert_gate.float(), None)  # [T, 1]
+    return in_tiles(torch.sigmoid, logits) if invariant else torch.sigmoid(logits)
+
+
+def moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
+             up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
+             shared: SharedExperts | None = None) -> torch.Tensor:
+    """The MoE FFN by the native kernel (module doc), k-quant weights by the per-expert loop; arguments as
+    :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError when the native library is
+    unavailable (the plugin registers this kernel only when it loads)."""
+    if not native_formats(gate_exps, up_exps, down_exps, shared):
+        return _loop(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)
+    check_args(x, router_logits, router)
+    routing = select_experts(router_logits, router, correction_bias)
+    return moe_experts(x, routing.topk_ids, routing.topk_weights, gate_exps, up_exps, down_exps, shared,
+                       _shared_scale(x, shared, invariant=False))
+
+
+def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
+                       up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
+                       shared: SharedExperts | None = None) -> torch.Tensor:
+    """Batch-invariant :func:`moe_gemv`: the native kernel (batch-invariant itself), the router
+    and the shared-expert gate over fixed tiles; k-quant weights take the
+    batch-invariant per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`."""
+    if not native_formats(gate_exps, up_exps, down_exps, shared):
+        return _loop_invariant(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)
+    check_args(x, router_logits, router)
+    routing = route_in_tiles(router_logits, router, correction_bias)
+    return moe_experts(x, routing.topk_ids, routing.topk_weights, gate_exps, up_exps, down_exps, shared,
+                       _shared_scale(x, shared, invariant=True))

@@ -5,7 +5,8 @@ why it is unavailable.
 The library holds the decode-step kernels: GEMV for ``linear`` (``csrc/gemv.c``; the HF
 quantized layouts FP8 / INT4 / INT8 / MXFP4 / NVFP4 in ``csrc/quant_gemv.c``), RMSNorm,
 fused add + RMSNorm, RoPE and SiLU-and-mul (``csrc/elementwise.c``), paged decode
-attention (``csrc/attention.c``) and MLA decode over the paged latent cache (``csrc/mla.c``).
+attention (``csrc/attention.c``), MLA decode over the paged latent cache (``csrc/mla.c``) and
+the MoE FFN (``csrc/moe.c``).
 
 It is optional. It is missing where the install had no C compiler or the platform is not
 x86-64; it is refused when the CPU lacks AVX2/FMA/F16C or the file is a stale build of
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch  # noqa: F401  (imported first; see the module doc)
 
 LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_native.so"
-ABI_VERSION = 5  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
+ABI_VERSION = 6  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
 
 #: ctypes argument types: pointers (``tensor.data_ptr()`` or None), 64-bit sizes and strides,
 #: C ints and floats.

@@ -1,0 +1,40 @@
+/* The row kernels of gemv.c, for the other native kernels that multiply by weights in their
+ * stored formats (moe.c): one call's operands, the per-format function computing a range of
+ * output rows for every token, and the int16 quantization of activations that the block
+ * formats take. Numerics and reduction orders are gemv.c's (its file comment). */
+#ifndef ZLLM_NATIVE_GEMV_H
+#define ZLLM_NATIVE_GEMV_H
+
+#include <stdint.h>
+
+/* One call's operands: w [N, K] with row stride ws (elements; bytes for the block formats),
+ * x [T, K] with row stride xs, y [T, N] contiguous (row stride n); xq / xsc: x quantized per
+ * block of 32 (T x K int16, T x K / 32 scales), block formats only, else NULL. */
+typedef struct {
+    const void *w;
+    int64_t ws;
+    const float *x;
+    int64_t xs;
+    int16_t *xq;
+    float *xsc;
+    const float *bias;
+    float *y;
+    int64_t t, n, k;
+} gemv_args;
+
+/* y[:, r0:r1) of a call: rows r0 .. r1 - 1 for all T tokens. */
+typedef void (*rows_fn)(const gemv_args *a, int64_t r0, int64_t r1);
+
+/* Weight formats, in the order of zllm_backend_cpu.kernels.GEMV_FORMATS. */
+enum { GEMV_F32, GEMV_F16, GEMV_BF16, GEMV_Q8_0, GEMV_Q4_0, GEMV_Q4_1, GEMV_Q5_0, GEMV_Q5_1, GEMV_NFORMATS };
+
+#define GEMV_INTERNAL __attribute__((visibility("hidden")))
+
+/* The row kernel of `format`, or NULL for a number outside the enum. */
+GEMV_INTERNAL rows_fn gemv_rows(int format);
+/* Whether `format` is a block format (takes quantized x). */
+GEMV_INTERNAL int gemv_is_block(int format);
+/* x [T, K] (row stride xs, K a multiple of 32) -> xq [T, K] int16 and xsc [T, K / 32]. */
+GEMV_INTERNAL void gemv_quantize_rows(const float *x, int64_t xs, int64_t t, int64_t k, int16_t *xq, float *xsc);
+
+#endif

@@ -1,0 +1,361 @@
+/* Native Mixture-of-Experts FFN: one call per layer runs every selected expert of every token
+ * (gate and up GEMV, SiLU-and-mul, down GEMV), the weighted sum and the shared expert, with
+ * the weights in their stored formats (gemv.h: f32, f16, bf16, GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 /
+ * Q5_1). The routing (which experts, which weights) comes from the caller: the core's f32
+ * router decides it, so every backend agrees on the experts. As llama.cpp's mul_mat_id
+ * (ggml-cpu.c): the (token, slot) pairs are bucketed by expert, and only the selected experts'
+ * rows are read, each once per call for all the tokens that selected it.
+ *
+ * Dimension legend: T tokens, K hidden size, E routed experts, k experts per token, N expert
+ * width, Ns shared-expert width, P = T * k routed pairs (+ T shared pairs).
+ *
+ * Operands: x [T, K] f32 (row stride xs); ids int64 [T, k] and weights f32 [T, k] (the router's
+ * top-k); six weight matrices described by desc int64 [6][4] = {address, expert stride in
+ * bytes, row stride (elements; bytes for the block formats), format (gemv.h's enum)}: routed
+ * gate [E, N, K], up [E, N, K], down [E, K, N], then the shared expert's gate [Ns, K], up
+ * [Ns, K], down [K, Ns] (address 0: no shared expert); shared_scale [T] f32 multiplies the
+ * shared expert's output (Qwen2-MoE's sigmoid gate), or NULL for 1; out [T, K] f32.
+ *
+ * Steps:
+ *   A. bucket (one thread): pairs sorted by expert, stable (a token's pairs keep their slot
+ *      order within an expert), so expert e's pairs are one contiguous run; x gathered per pair
+ *      in that order (and quantized per row of 32 when a gate / up matrix is a block format);
+ *   B. per (expert, tile of gate / up rows), on the team: gate and up rows for the expert's
+ *      pairs (gemv.h's row kernels, each weight row read once for all of them), then
+ *      h = silu(g) * u on the tile: g / (1 + e^-g) * u with common.h's exp8 in every lane (a
+ *      padded tail too), so an element's value does not depend on where a tile boundary falls;
+ *   C. h quantized per pair (block-format down matrices), by the first D item of the expert;
+ *   D. per (expert, tile of down rows), on the team: y = down . h for the expert's pairs, once
+ *      that expert's B items are done (no barrier between B and D);
+ *   E. per token (one thread): out = w_0 y_0 + w_1 y_1 + ... over its pairs in ascending
+ *      expert index (ties in slot order), each product rounded before its add (the
+ *      reference's order: the weighted rows, then one add per slot), then + scale * the
+ *      shared expert's y.
+ *
+ * Numerics: every value is gemv.c's (the same row kernels, one fixed reduction order per
+ * format and length) followed by fixed elementwise steps; x and h are quantized per pair row,
+ * from that row alone. So a token's output is bit-identical whatever else is in the call
+ * (batch-invariant), for any thread count and tile split.
+ *
+ * Threads: OpenMP with the caller's thread count, one when the selected weights are under
+ * PARALLEL_MIN_BYTES (a tiny model: waking a thread costs more than the work). The work items
+ * of B and D (about ITEM_BYTES of weights each, expert-major) are cut into one contiguous
+ * region per thread; a thread takes its own region front to back (one stream through the
+ * weights), then helps with the others' (gemv.c's split), so a descheduled thread on a busy
+ * machine delays one item, not its share. The only waits are a D item's for its expert's B
+ * items and the team's end, both yielding the CPU (sched_yield) rather than spinning: on a
+ * machine running more threads than cores, a spinning team mate burns the time slice the
+ * descheduled one needs (measured: 4 barriers in libgomp cost 4-5x the one-thread CPU time of
+ * a 16-token Qwen3-MoE layer with 2 threads at load 9 on 2 cores; this layout 2x).
+ *
+ * Checks: an expert id outside [0, E), or scratch that cannot be allocated, makes the whole
+ * output NaN instead of a read outside the weights.
+ */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
+#include "common.h"
+#include "gemv.h"
+
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ITEM_BYTES (64 << 10)          /* weight bytes per work item */
+#define PARALLEL_MIN_BYTES (256 << 10) /* selected weight bytes a call needs before it uses threads */
+
+enum { GATE, UP, DOWN };
+
+/* One expert's run of pairs [p0, p1) and its three matrices; its pairs' h rows (width wide)
+ * start at hoff. */
+typedef struct {
+    const uint8_t *w[3];
+    int64_t ws[3];
+    int fmt[3];
+    int64_t width, p0, p1, hoff, hsoff; /* hsoff: first of its pairs' h scales (block-format down) */
+} job;
+
+typedef struct {
+    const job *jobs;
+    const int32_t *item_job; /* B, then D: the job and first row of each item */
+    const int64_t *item_row;
+    int64_t items_b, rows_b_max, rows_d_max;
+    const float *xg;
+    const int16_t *xq;
+    const float *xsc;
+    float *g, *u;
+    int16_t *hq;
+    float *hsc;
+    float *yd;
+    int64_t k;
+    int64_t *b_left; /* per job: gate / up items not finished yet */
+    int *h_state;    /* per job: its h quantized? 0 no, 1 in progress, 2 yes */
+} moe_ctx;
+
+static int64_t row_bytes(int fmt, int64_t k) {
+    switch (fmt) {
+    case GEMV_F32: return 4 * k;
+    case GEMV_F16: case GEMV_BF16: return 2 * k;
+    case GEMV_Q8_0: return k / 32 * 34;
+    case GEMV_Q4_0: return k / 32 * 18;
+    case GEMV_Q4_1: return k / 32 * 20;
+    case GEMV_Q5_0: return k / 32 * 22;
+    default: return k / 32 * 24; /* Q5_1 */
+    }
+}
+
+/* h = silu(g) * u over n values; the last n % 8 through a padded vector, as the others. */
+static void silu_mul_n(float *g, const float *u, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 vg = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_xor_ps(vg, sign));
+        _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+    }
+    if (j < n) {
+        float tg[8] = {0}, tu[8] = {0};
+        memcpy(tg, g + j, (size_t)(n - j) * sizeof(float));
+        memcpy(tu, u + j, (size_t)(n - j) * sizeof(float));
+        const __m256 vg = _mm256_loadu_ps(tg);
+        const __m256 e = exp8(_mm256_xor_ps(vg, sign));
+        _mm256_storeu_ps(tg, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(tu)));
+        memcpy(g + j, tg, (size_t)(n - j) * sizeof(float));
+    }
+}
+
+/* Step B, one item: gate and up rows [r0, r1) of job j for its pairs, then silu * up. */
+static void item_gate_up(const moe_ctx *c, int64_t item) {
+    const job *jb = c->jobs + c->item_job[item];
+    const int64_t r0 = c->item_row[item], r1 = r0 + c->rows_b_max < jb->width ? r0 + c->rows_b_max : jb->width;
+    const int64_t np = jb->p1 - jb->p0, k = c->k;
+    for (int m = GATE; m <= UP; m++) {
+        const int block = gemv_is_block(jb->fmt[m]);
+        const gemv_args a = {jb->w[m], jb->ws[m], block ? 0 : c->xg + jb->p0 * k, k,
+                             block ? (int16_t *)c->xq + jb->p0 * k : 0, block ? (float *)c->xsc + jb->p0 * (k / 32) : 0,
+                             0, (m == GATE ? c->g : c->u) + jb->hoff, np, jb->width, k};
+        gemv_rows(jb->fmt[m])(&a, r0, r1);
+    }
+    for (int64_t p = 0; p < np; p++)
+        silu_mul_n(c->g + jb->hoff + p * jb->width + r0, c->u + jb->hoff + p * jb->width + r0, r1 - r0);
+    __atomic_sub_fetch(&c->b_left[c->item_job[item]], 1, __ATOMIC_ACQ_REL); /* publishes this tile of h */
+}
+
+/* Step D, one item: down rows [r0, r1) of job j for its pairs -> yd, once j's h is complete
+ * (and, for a block-format down matrix, quantized: step C, by the first item of j to get
+ * there). A thread reaches D only when every B item has been taken, so it waits only for
+ * items another thread is running, and yields the CPU while it does. */
+static void item_down(const moe_ctx *c, int64_t item) {
+    const int j = c->item_job[item];
+    const job *jb = c->jobs + j;
+    const int64_t k = c->k, n = jb->width, np = jb->p1 - jb->p0;
+    const int64_t r0 = c->item_row[item], r1 = r0 + c->rows_d_max < k ? r0 + c->rows_d_max : k;
+    const int block = gemv_is_block(jb->fmt[DOWN]);
+    while (__atomic_load_n(&c->b_left[j], __ATOMIC_ACQUIRE) > 0) sched_yield();
+    if (block) {
+        int idle = 0;
+        if (__atomic_compare_exchange_n(&c->h_state[j], &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            gemv_quantize_rows(c->g + jb->hoff, n, np, n, c->hq + jb->hoff, c->hsc + jb->hsoff);
+            __atomic_store_n(&c->h_state[j], 2, __ATOMIC_RELEASE);
+        } else {
+            while (__atomic_load_n(&c->h_state[j], __ATOMIC_ACQUIRE) != 2) sched_yield();
+        }
+    }
+    const gemv_args a = {jb->w[DOWN], jb->ws[DOWN], block ? 0 : c->g + jb->hoff, n,
+                         block ? c->hq + jb->hoff : 0, block ? c->hsc + jb->hsoff : 0,
+                         0, c->yd + jb->p0 * k, np, k, n};
+    gemv_rows(jb->fmt[DOWN])(&a, r0, r1);
+}
+
+/* Items [first, first + n) over the team: region i = items [i * per, (i + 1) * per), taken by
+ * thread i front to back, then by the others; next[i] starts at region i's first item. */
+static void take_items(const moe_ctx *c, void (*fn)(const moe_ctx *, int64_t), int64_t first, int64_t n,
+                       int nreg, int64_t *next) {
+    const int64_t per = (n + nreg - 1) / nreg;
+    const int id = omp_get_thread_num();
+    for (int v = 0; v < nreg; v++) {
+        const int region = (id + v) % nreg;
+        const int64_t end = (region + 1) * per < n ? (region + 1) * per : n;
+        for (;;) {
+            const int64_t i = __atomic_fetch_add(&next[region], 1, __ATOMIC_RELAXED);
+            if (i >= end) break;
+            fn(c, first + i);
+        }
+    }
+}
+
+static void fill_nan(float *out, int64_t t, int64_t k) {
+    for (int64_t i = 0; i < t * k; i++) out[i] = NAN;
+}
+
+void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *ids, const float *weights,
+              int64_t top_k, int64_t n_experts, int64_t width, const int64_t *desc, int64_t shared_width,
+              const float *shared_scale, float *out, int threads) {
+    if (t <= 0 || k <= 0) return;
+    const int shared = desc[12] != 0;
+    const int64_t pairs = t * top_k, ptot = pairs + (shared ? t : 0);
+    for (int64_t i = 0; i < pairs; i++)
+        if (ids[i] < 0 || ids[i] >= n_experts) {
+            fill_nan(out, t, k);
+            return;
+        }
+    int need_xf = 0, need_xq = 0, need_hq = 0;
+    for (int m = 0; m < (shared ? 6 : 3); m++) {
+        const int block = gemv_is_block((int)desc[4 * m + 3]);
+        if (m % 3 == DOWN) need_hq |= block;
+        else if (block) need_xq = 1;
+        else need_xf = 1;
+    }
+    const int64_t htot = pairs * width + (shared ? t * shared_width : 0);
+
+    /* counting sort of the pairs by expert (stable) */
+    int64_t *count = calloc((size_t)n_experts + 1, sizeof(int64_t));
+    int64_t *pair_of = malloc((size_t)ptot * sizeof(int64_t)); /* bucket position -> flat (token, slot) */
+    int64_t *tok_pairs = malloc((size_t)ptot * sizeof(int64_t)); /* token's bucket positions, in order */
+    job *jobs = malloc((size_t)(n_experts + 1) * sizeof(job));
+    float *xg = need_xf ? malloc((size_t)(ptot * k) * sizeof(float)) : 0;
+    int16_t *xq = need_xq ? malloc((size_t)(ptot * k) * sizeof(int16_t)) : 0;
+    float *xsc = need_xq ? malloc((size_t)(ptot * (k / 32)) * sizeof(float)) : 0;
+    float *g = malloc((size_t)htot * sizeof(float)), *u = malloc((size_t)htot * sizeof(float));
+    int16_t *hq = need_hq ? malloc((size_t)htot * sizeof(int16_t)) : 0;
+    float *hsc = need_hq ? malloc((size_t)(htot / 32 + 1) * sizeof(float)) : 0;
+    float *yd = malloc((size_t)(ptot * k) * sizeof(float));
+    int32_t *item_job = 0;
+    int64_t *item_row = 0;
+    int64_t *b_left = calloc((size_t)n_experts + 1, sizeof(int64_t));
+    int *h_state = calloc((size_t)n_experts + 1, sizeof(int));
+    if (!count || !pair_of || !tok_pairs || !jobs || !b_left || !h_state || (need_xf && !xg) || (need_xq && (!xq || !xsc)) || !g || !u ||
+        (need_hq && (!hq || !hsc)) || !yd) {
+        fill_nan(out, t, k);
+        goto done;
+    }
+    for (int64_t i = 0; i < pairs; i++) count[ids[i] + 1]++;
+    for (int64_t e = 0; e < n_experts; e++) count[e + 1] += count[e]; /* count[e]: first position of e */
+    {
+        int64_t *fill = malloc((size_t)n_experts * sizeof(int64_t));
+        if (!fill) {
+            fill_nan(out, t, k);
+            goto done;
+        }
+        memcpy(fill, count, (size_t)n_experts * sizeof(int64_t));
+        for (int64_t i = 0; i < pairs; i++) pair_of[fill[ids[i]]++] = i;
+        free(fill);
+    }
+    {
+        int64_t *seen = calloc((size_t)t, sizeof(int64_t));
+        if (!seen) {
+            fill_nan(out, t, k);
+            goto done;
+        }
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t tok = pair_of[p] / top_k;
+            tok_pairs[tok * top_k + seen[tok]++] = p;
+        }
+        free(seen);
+    }
+
+    /* jobs: the selected experts in ascending index, then the shared expert */
+    int njobs = 0;
+    int64_t hoff = 0, hsoff = 0, items_b = 0, items_d = 0, selected_bytes = 0;
+    const int64_t gu_bytes = row_bytes((int)desc[3], k) + row_bytes((int)desc[7], k);
+    const int64_t rows_b = ITEM_BYTES / (gu_bytes > 0 ? gu_bytes : 1) > 8 ? ITEM_BYTES / gu_bytes : 8;
+    const int64_t rows_d = ITEM_BYTES / row_bytes((int)desc[11], width) > 8 ? ITEM_BYTES / row_bytes((int)desc[11], width) : 8;
+    for (int64_t e = 0; e <= n_experts; e++) {
+        const int is_shared = e == n_experts;
+        if (is_shared ? !shared : count[e + 1] == count[e]) continue;
+        job *jb = jobs + njobs++;
+        const int64_t *d = desc + (is_shared ? 12 : 0);
+        for (int m = 0; m < 3; m++) {
+            jb->w[m] = (const uint8_t *)(uintptr_t)d[4 * m] + (is_shared ? 0 : e * d[4 * m + 1]);
+            jb->ws[m] = d[4 * m + 2];
+            jb->fmt[m] = (int)d[4 * m + 3];
+        }
+        jb->width = is_shared ? shared_width : width;
+        jb->p0 = is_shared ? pairs : count[e];
+        jb->p1 = is_shared ? ptot : count[e + 1];
+        jb->hoff = hoff;
+        jb->hsoff = hsoff;
+        hoff += (jb->p1 - jb->p0) * jb->width;
+        hsoff += (jb->p1 - jb->p0) * (jb->width / 32);
+        items_b += (jb->width + rows_b - 1) / rows_b;
+        items_d += (k + rows_d - 1) / rows_d;
+        selected_bytes += jb->width * (row_bytes(jb->fmt[GATE], k) + row_bytes(jb->fmt[UP], k)) +
+                          k * row_bytes(jb->fmt[DOWN], jb->width);
+    }
+    /* a shared expert of another width takes the routed experts' rows per item: fine for the
+     * split, which only needs items of similar size */
+    item_job = malloc((size_t)(items_b + items_d) * sizeof(int32_t));
+    item_row = malloc((size_t)(items_b + items_d) * sizeof(int64_t));
+    if (!item_job || !item_row) {
+        fill_nan(out, t, k);
+        goto done;
+    }
+    {
+        int64_t i = 0;
+        for (int j = 0; j < njobs; j++)
+            for (int64_t r = 0; r < jobs[j].width; r += rows_b) item_job[i] = j, item_row[i++] = r;
+        for (int j = 0; j < njobs; j++)
+            for (int64_t r = 0; r < k; r += rows_d) item_job[i] = j, item_row[i++] = r;
+    }
+    for (int64_t p = pairs; p < ptot; p++) pair_of[p] = -1 - (p - pairs); /* shared pair of token p - pairs */
+
+    /* A: x gathered (and quantized) per pair in bucket order; on one thread, as E: a few
+     * microseconds a decode step, and no barrier for a descheduled thread to hold up */
+    for (int64_t p = 0; p < ptot; p++) {
+        const int64_t tok = pair_of[p] >= 0 ? pair_of[p] / top_k : -1 - pair_of[p];
+        if (need_xf) memcpy(xg + p * k, x + tok * xs, (size_t)k * sizeof(float));
+        if (need_xq) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
+    }
+    for (int j = 0; j < njobs; j++) b_left[j] = (jobs[j].width + rows_b - 1) / rows_b;
+
+    int nth = threads < MAX_THREADS ? threads : MAX_THREADS;
+    if (selected_bytes < PARALLEL_MIN_BYTES || nth < 1) nth = 1;
+    int64_t next_b[MAX_THREADS], next_d[MAX_THREADS];
+    const int64_t per_b = (items_b + nth - 1) / nth, per_d = (items_d + nth - 1) / nth;
+    for (int i = 0; i < nth; i++) next_b[i] = i * per_b, next_d[i] = i * per_d;
+    const moe_ctx c = {jobs, item_job, item_row, items_b, rows_b, rows_d, xg, xq, xsc, g, u, hq, hsc, yd, k,
+                       b_left, h_state};
+
+    /* B then D (C inside D), no barrier between: a D item waits only for its own expert's B
+     * items. A thread that runs out of items yields until the whole team has, and only then
+     * enters the closing barrier: libgomp spins there, burning the time slice a descheduled
+     * team mate needs (5x the CPU time of one thread on an oversubscribed machine). */
+    int arrived = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        take_items(&c, item_gate_up, 0, items_b, nth, next_b);
+        take_items(&c, item_down, items_b, items_d, nth, next_d);
+        const int team = omp_get_num_threads();
+        __atomic_add_fetch(&arrived, 1, __ATOMIC_ACQ_REL);
+        while (__atomic_load_n(&arrived, __ATOMIC_ACQUIRE) < team) sched_yield();
+    }
+
+    /* E: each token's weighted sum, ascending expert, then the shared expert */
+    for (int64_t tok = 0; tok < t; tok++) {
+        float *o = out + tok * k;
+        for (int64_t s = 0; s < top_k; s++) {
+            const int64_t p = tok_pairs[tok * top_k + s];
+            const float w = weights[pair_of[p]], *y = yd + p * k;
+            const __m256 wv = _mm256_set1_ps(w);
+            int64_t j = 0;
+            if (s == 0) {
+                for (; j + 8 <= k; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(wv, _mm256_loadu_ps(y + j)));
+                for (; j < k; j++) o[j] = w * y[j];
+            } else {
+                for (; j + 8 <= k; j += 8)
+                    _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(wv, _mm256_loadu_ps(y + j))));
+                for (; j < k; j++) o[j] += w * y[j];
+            }
+        }
+        if (top_k == 0) memset(o, 0, (size_t)k * sizeof(float));
+        if (shared) {
+            const float w = shared_scale ? shared_scale[tok] : 1.0f, *y = yd + (pairs + tok) * k;
+            const __m256 wv = _mm256_set1_ps(w);
+            int64_t j = 0;
+            for (; j + 8 <= k; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(wv, _mm256_loadu_ps(y + j))));
+            for (; j < k; j++) o[j] += w * y[j];
+        }
+    }
+done:
+    free(count), free(pair_of), free(tok_pairs), free(jobs), free(xg), free(xq), free(xsc), free(g), free(u);
+    free(hq), free(hsc), free(yd), free(item_job), free(item_row), free(b_left), free(h_state);
+}

@@ -1,0 +1,116 @@
+"""The native MoE kernel (``csrc/moe.c``) for a given routing: the sum over each token's slots
+computed expert by expert with the f32 reference, whatever the ids (repeated, unselected),
+the formats of the six matrices and the shared expert; the same bits whatever the thread
+count, whatever else is in the call and however a prefill is cut into calls; a bad id
+poisons the output instead of reading outside the weights. Routing through the core's
+router and the conformance cases are in test_cpu_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zllm.conformance.cases import make_expert_stack
+from zllm.domain.moe import SharedExperts, swiglu_ffn
+from zllm_backend_cpu.kernels import GEMV_FORMATS
+from zllm_backend_cpu.kernels.native import unavailable_reason
+
+if unavailable_reason() is not None:  # the kernel modules bind the library's entry points at import
+    pytest.skip(f"native library: {unavailable_reason()}", allow_module_level=True)
+
+from zllm_backend_cpu.kernels import moe_gemv  # noqa: E402
+from zllm_backend_cpu.kernels.moe_gemv import moe_experts  # noqa: E402
+
+HIDDEN, WIDTH, SHARED_WIDTH = 64, 32, 96
+
+
+def _shared(g: torch.Generator, fmt: str, hidden: int, width: int) -> SharedExperts:
+    gate, up = (make_expert_stack(g, fmt, 1, width, hidden)[0] for _ in range(2))
+    return SharedExperts(gate, up, make_expert_stack(g, fmt, 1, hidden, width)[0])
+
+
+def one_by_one(x, ids, weights, gate, up, down, shared=None, scale=None) -> torch.Tensor:
+    """Each token's slots in order, one expert at a time through the f32 reference FFN."""
+    out = torch.zeros_like(x)
+    for row in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[row, slot])
+            out[row] += weights[row, slot] * swiglu_ffn(x[row : row + 1], gate[e], up[e], down[e])[0]
+        if shared is not None:
+            y = swiglu_ffn(x[row : row + 1], shared.gate_proj, shared.up_proj, shared.down_proj)[0]
+            out[row] += y if scale is None else scale[row] * y
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(1, 12),
+    e=st.sampled_from([1, 3, 8]),
+    top_k=st.integers(1, 4),
+    formats=st.tuples(*[st.sampled_from(GEMV_FORMATS)] * 3),
+    shared_fmt=st.sampled_from([None, "f32", "bf16", "q8_0", "q5_1"]),
+    gated=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_each_token_gets_its_slots_summed_expert_by_expert_even_with_repeated_ids(
+    t, e, top_k, formats, shared_fmt, gated, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, HIDDEN, generator=g)
+    ids = torch.randint(0, e, (t, top_k), generator=g)  # repeats and unselected experts alike
+    weights = torch.rand(t, top_k, generator=g)
+    gate = make_expert_stack(g, formats[0], e, WIDTH, HIDDEN)
+    up = make_expert_stack(g, formats[1], e, WIDTH, HIDDEN)
+    down = make_expert_stack(g, formats[2], e, HIDDEN, WIDTH)
+    shared = None if shared_fmt is None else _shared(g, shared_fmt, HIDDEN, SHARED_WIDTH)
+    scale = torch.rand(t, 1, generator=g) if shared is not None and gated else None
+
+    out = moe_experts(x, ids, weights, gate, up, down, shared, scale)
+
+    expected = one_by_one(x, ids, weights, gate, up, down, shared, scale)
+    # dense: f32 products; block formats: x and h quantized to int16 per block (~1e-5 relative)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q4_1"])
+def test_a_row_has_the_same_bits_alone_in_a_batch_in_chunks_and_with_any_thread_count(fmt, monkeypatch):
+    # experts large enough (~0.5-1 MiB each) that the kernel splits the work over the threads
+    g = torch.Generator().manual_seed(1)
+    hidden, width, t = 256, 512, 9
+    gate, up = (make_expert_stack(g, fmt, 4, width, hidden) for _ in range(2))
+    down = make_expert_stack(g, fmt, 4, hidden, width)
+    shared = _shared(g, fmt, hidden, 256)
+    x, weights = torch.randn(t, hidden, generator=g), torch.rand(t, 2, generator=g)
+    ids = torch.randint(0, 4, (t, 2), generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = moe_experts(x, ids, weights, gate, up, down, shared)
+        torch.set_num_threads(1)
+        single = moe_experts(x, ids, weights, gate, up, down, shared)
+    finally:
+        torch.set_num_threads(threads)
+
+    monkeypatch.setattr(moe_gemv, "MOE_CHUNK_TOKENS", 4)
+    chunked = moe_experts(x, ids, weights, gate, up, down, shared)
+
+    assert torch.equal(batch, single)
+    assert torch.equal(batch, chunked)
+    for row in (0, 4, t - 1):
+        alone = moe_experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1], gate, up, down, shared)
+        assert torch.equal(alone[0], batch[row]), row
+    torch.testing.assert_close(batch, one_by_one(x, ids, weights, gate, up, down, shared), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4])
+def test_an_expert_id_outside_the_stack_makes_the_output_nan_instead_of_reading_past_it(bad_id):
+    g = torch.Generator().manual_seed(2)
+    stacks = [make_expert_stack(g, "q8_0", 4, WIDTH, HIDDEN) for _ in range(2)]
+    stacks.append(make_expert_stack(g, "q8_0", 4, HIDDEN, WIDTH))
+    ids = torch.tensor([[0, 1], [2, bad_id]])
+
+    out = moe_experts(torch.randn(2, HIDDEN, generator=g), ids, torch.ones(2, 2), *stacks)
+
+    assert bool(out.isnan().all())
