@@ -48,6 +48,10 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
     ("moe", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe:moe"),
+    ("attention_sinks", ("paged",), f"{_PKG}.attention_sinks:attention_sinks"),
+    ("swiglu_clamped", ("f32",), f"{_PKG}.moe_biased:swiglu_clamped"),
+    ("router_topk_softmax", ("f32",), f"{_PKG}.moe_biased:router_topk_softmax"),
+    ("moe_clamped_swiglu", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe_biased:moe_clamped_swiglu"),
 ]
 
 #: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
