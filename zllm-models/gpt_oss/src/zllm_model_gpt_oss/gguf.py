@@ -9,9 +9,11 @@ Sources (llama.cpp, the sources vendored in ``llama-cpp-python`` 0.3.36):
   router is ``ffn_gate_inp`` (weight and bias), the sinks ``attn_sinks.weight``,
   ``post_attention_layernorm`` is ``post_attention_norm``; MXFP4 checkpoints keep their
   experts in ggml's MXFP4 blocks (not read here yet).
-- ``src/llama-model.cpp``: ``LLM_ARCH_OPENAI_MOE`` sets the sliding-window pattern 2 (even
+- ``src/models/openai-moe.cpp`` (``LLM_ARCH_OPENAI_MOE``): sliding-window pattern 2 (even
   layers sliding, odd layers full: transformers' default ``layer_types``), RoPE type NEOX
   (half rotation, HF row order; no Q/K permutation), q/k/v/o biases always present.
+- ``src/llama-graph.cpp`` (``LLM_FFN_SWIGLU_OAI_MOE``): the clamped SwiGLU with alpha 1.702 and limit 7.0
+  as constants (the file stores neither), as every released gpt-oss config has them.
 - YaRN: the file stores factor, original context and betas (``rope.scaling.*``); gpt-oss's
   YaRN does not truncate the correction range (``truncate: false`` in every released
   ``config.json``), which the file cannot say, so it is a constant of the architecture.
@@ -45,7 +47,7 @@ def _finish(config: dict[str, Any], value: Callable[[str], Any], tensors: frozen
 
 GPT_OSS = GGUFArchMap(
     model_type="gpt_oss",
-    constants={"attention_bias": True},
+    constants={"attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
     keys=(
         ConfigKey("max_position_embeddings", "context_length"),
         ConfigKey("hidden_size", "embedding_length"),
