@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from zllm.spec.errors import ConfigError
+from zllm.weights.formats import FORMATS
 
 if TYPE_CHECKING:
     from zllm.plugins.host import PluginHost
@@ -45,7 +46,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-#: Matrix columns: how a checkpoint is stored -> the weight format its tensors have.
+#: Matrix columns: how a checkpoint is stored -> the weight format its tensors have. The
+#: quantized columns are the weight-format registry's (``WeightFormat.columns``).
 FORMAT_AXIS: dict[str, str] = {
     "hf-f32": "f32",
     "hf-f16": "f16",
@@ -53,16 +55,7 @@ FORMAT_AXIS: dict[str, str] = {
     "gguf-F32": "f32",
     "gguf-F16": "f16",
     "gguf-BF16": "bf16",
-    "gguf-Q8_0": "q8_0",
-    "gguf-Q4_0": "q4_0",
-    "gguf-Q4_1": "q4_1",
-    "gguf-Q5_0": "q5_0",
-    "gguf-Q5_1": "q5_1",
-    "gguf-Q2_K": "q2_k",
-    "gguf-Q3_K": "q3_k",
-    "gguf-Q4_K": "q4_k",
-    "gguf-Q5_K": "q5_k",
-    "gguf-Q6_K": "q6_k",
+    **{column: name for name, fmt in FORMATS.items() for column in fmt.columns},
 }
 
 #: Statuses a ``[[cell]]`` of the verified file may claim; ``kernel-verified`` is derived from

@@ -38,7 +38,7 @@ from zllm.kernels.registry import KernelRegistry
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from zllm.spec.errors import CheckpointError
 from zllm.spec.tensor_spec import TensorSpec
-from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor, format_of
+from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, FORMATS, QuantizedTensor, WeightFormat, format_of
 from zllm.weights.gguf_maps import REQUIRED, ROPE_ADJACENT_PAIR, ROPE_HALF_ROTATION, ConfigKey, GGUFArchMap
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "ConfigKey",
     "DTYPE_OF_FORMAT",
+    "FORMATS",
     "FamilyInfo",
     "GGUFArchMap",
     "KVCacheShape",
@@ -71,6 +72,7 @@ __all__ = [
     "SamplingRow",
     "SharedExperts",
     "TensorSpec",
+    "WeightFormat",
     "default_inv_freq",
     "dequantize",
     "format_of",

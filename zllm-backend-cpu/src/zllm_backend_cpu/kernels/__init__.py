@@ -25,19 +25,21 @@ carry the reason as their registry note, so ``zllm run --explain`` says why the 
 
 from __future__ import annotations
 
-from zllm.plugin_api import Capability
+from zllm.plugin_api import DTYPE_OF_FORMAT, FORMATS, Capability
 
 _PKG = "zllm_backend_cpu.kernels"
 
-# decoders in .linear / .kquants
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-# native GEMV (.gemv): one zllm_gemv_<format> each
-GEMV_FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+DENSE = tuple(DTYPE_OF_FORMAT)
+# every registered format: row-tile decoders in .linear (GGUF k-quants in .kquants, the HF
+# checkpoints' formats in .quant_hf); tests/test_cpu_kernels_table.py checks each has one
+QUANT_FORMATS = tuple(FORMATS)
+# native GEMV (.gemv): one zllm_gemv_<format> each (csrc/gemv.c)
+GEMV_FORMATS = (*DENSE, "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 KERNELS: list[tuple[str, tuple[str, ...], str]] = [
-    ("embedding", ("f32", "f16", "bf16"), f"{_PKG}.linear:embedding_dense"),
+    ("embedding", DENSE, f"{_PKG}.linear:embedding_dense"),
     ("embedding", QUANT_FORMATS, f"{_PKG}.linear:embedding_quant"),
-    ("linear", ("f32", "f16", "bf16"), f"{_PKG}.linear:linear_dense"),
+    ("linear", DENSE, f"{_PKG}.linear:linear_dense"),
     ("linear", QUANT_FORMATS, f"{_PKG}.linear:linear_quant"),
     ("rms_norm", ("f32",), f"{_PKG}.norm:rms_norm"),
     ("add_rms_norm", ("f32",), f"{_PKG}.norm:add_rms_norm"),
@@ -47,11 +49,11 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention_sliding", ("paged",), f"{_PKG}.attention:attention_sliding"),
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
-    ("moe", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe:moe"),
+    ("moe", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe:moe"),
     ("attention_sinks", ("paged",), f"{_PKG}.attention_sinks:attention_sinks"),
     ("swiglu_clamped", ("f32",), f"{_PKG}.moe_biased:swiglu_clamped"),
     ("router_topk_softmax", ("f32",), f"{_PKG}.moe_biased:router_topk_softmax"),
-    ("moe_clamped_swiglu", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe_biased:moe_clamped_swiglu"),
+    ("moe_clamped_swiglu", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe_biased:moe_clamped_swiglu"),
 ]
 
 #: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
@@ -61,13 +63,13 @@ INVARIANT_AS_IS = frozenset({"embedding", "rms_norm", "add_rms_norm", "rope"})
 #: Batch-invariant kernels for the other ops, registered at priority -2 with
 #: ``batch_invariant=True``: chosen only when ``runtime.batch_invariant`` is on.
 INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
-    ("linear", ("f32", "f16", "bf16"), f"{_PKG}.invariant:linear_dense_invariant"),
+    ("linear", DENSE, f"{_PKG}.invariant:linear_dense_invariant"),
     ("linear", QUANT_FORMATS, f"{_PKG}.invariant:linear_quant_invariant"),
     ("attention", ("paged",), f"{_PKG}.invariant:attention_invariant"),
     ("attention_sliding", ("paged",), f"{_PKG}.invariant:attention_sliding_invariant"),
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention_invariant"),
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
-    ("moe", ("f32", "f16", "bf16", *QUANT_FORMATS), f"{_PKG}.moe:moe_invariant"),
+    ("moe", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe:moe_invariant"),
 ]
 
 #: Native kernels (:mod:`zllm_backend_cpu.kernels.native`), registered at priority 1 when the

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from zllm.plugin_api import QuantizedTensor
+from zllm.plugin_api import DTYPE_OF_FORMAT, QuantizedTensor
 from zllm_backend_cpu.kernels import GEMV_FORMATS
 from zllm_backend_cpu.kernels import linear as torch_linear
 from zllm_backend_cpu.kernels.native import I64, INT, P, function
@@ -50,7 +50,7 @@ from zllm_backend_cpu.kernels.native import I64, INT, P, function
 GEMV_MAX_TOKENS = 16
 
 FORMATS = GEMV_FORMATS  # one entry point zllm_gemv_<format> each
-_DENSE_FORMATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_DENSE_FORMATS = {dtype: name for name, dtype in DTYPE_OF_FORMAT.items()}
 # zllm_gemv_<format>(w, w_row_stride, x, x_row_stride, bias | NULL, y, T, N, K, threads)
 _ARGTYPES = (P, I64, P, I64, P, P, I64, I64, I64, INT)
 _BOUND: dict[str, Callable] = {}  # format -> bound entry point

@@ -1,6 +1,7 @@
-"""CPU kernels for ``linear`` and ``embedding`` over dense (f32/f16/bf16) and GGUF block-quantized
-weights (q8_0, q4_0, q4_1, q5_0, q5_1 here; the k-quants q2_k … q6_k in
-:mod:`zllm_backend_cpu.kernels.kquants`).
+"""CPU kernels for ``linear`` and ``embedding`` over dense (f32/f16/bf16) and quantized weights:
+GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1 here; the k-quants q2_k … q6_k in
+:mod:`zllm_backend_cpu.kernels.kquants`) and the HF checkpoints' formats (fp8_e4m3, int4_g,
+int8_g, mxfp4, nvfp4 in :mod:`zllm_backend_cpu.kernels.quant_hf`).
 
 Dimension legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``R`` rows of a
 weight tile, ``NBK = K // 32`` blocks per row.
@@ -26,6 +27,7 @@ import torch
 
 from zllm.plugin_api import QuantizedTensor
 from zllm_backend_cpu.kernels.kquants import KQUANT_DECODERS
+from zllm_backend_cpu.kernels.quant_hf import HF_DECODERS
 
 TILE_BYTES = 4 << 20  # f32 working set of one decoded weight tile
 QK = 32  # weights per q8_0 / q4_0 / q4_1 / q5_0 / q5_1 block
@@ -123,17 +125,24 @@ DECODERS = {"q8_0": decode_q8_0_rows, "q4_0": decode_q4_0_rows, "q4_1": decode_q
 
 
 def _decode_rows(
-    weight: torch.Tensor | QuantizedTensor, start: int, stop: int, out: torch.Tensor | None = None
+    weight: torch.Tensor | QuantizedTensor, start: int, stop: int, out: torch.Tensor | None = None,
+    logical: bool = True,
 ) -> torch.Tensor:
-    """Rows ``start:stop`` of ``weight`` as f32 ``[R, K]`` (written into ``out`` when given)."""
+    """Rows ``start:stop`` of ``weight`` as f32 ``[R, K]`` (written into ``out`` when given), in
+    logical column order, or in stored order when not ``logical`` (an act-order ``perm`` kept:
+    the caller permutes the activations)."""
     if isinstance(weight, QuantizedTensor):
-        try:
-            decode = DECODERS[weight.fmt]
-        except KeyError:
-            raise ValueError(
-                f"CPU kernels have no decoder for format {weight.fmt!r}; expected one of {sorted(DECODERS)}"
-            ) from None
-        return decode(weight.data[start:stop], weight.shape[1], out)
+        if weight.fmt in DECODERS:
+            return DECODERS[weight.fmt](weight.data[start:stop], weight.shape[1], out)
+        if weight.fmt not in HF_DECODERS:
+            raise ValueError(f"CPU kernels have no decoder for format {weight.fmt!r}; "
+                             f"expected one of {sorted({*DECODERS, *HF_DECODERS})}")
+        tile = weight.rows(slice(start, stop))
+        decoded = HF_DECODERS[weight.fmt](tile, torch.empty(stop - start, weight.shape[1]) if out is None else out)
+        perm = weight.parts.get("perm")
+        if perm is None or not logical:
+            return decoded
+        return decoded.index_copy_(1, perm, decoded.clone())  # stored column j is logical column perm[j]
     rows = weight[start:stop]
     return rows.float() if out is None else out.copy_(rows)
 
@@ -150,11 +159,12 @@ def _linear_tiled(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias:
     t = x.shape[0]
     rows = min(n, _tile_rows(k))
     buf = torch.empty(rows * k)  # one reused f32 tile
-    x_t = x.t()  # [K, T]
+    perm = weight.parts.get("perm") if isinstance(weight, QuantizedTensor) else None
+    x_t = (x if perm is None else x[:, perm]).t()  # [K, T], in the weight's stored column order
     out_t = torch.empty(n, t)  # [N, T]: a row tile of it is contiguous
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        w = _decode_rows(weight, start, stop, buf[: (stop - start) * k].view(stop - start, k))  # [R, K]
+        w = _decode_rows(weight, start, stop, buf[: (stop - start) * k].view(stop - start, k), logical=False)
         torch.mm(w, x_t, out=out_t[start:stop])  # [R, T]
     out = out_t.t().contiguous()  # [T, N]
     if bias is not None:

@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from zllm.capabilities.ops import AttentionMetadata, OpTable
+from zllm.conformance import quantizers
 from zllm.domain.attention import first_window_block
 from zllm.domain.moe import RouterConfig, SharedExperts
 from zllm.domain.ops import CORE_OPS
 from zllm.domain.rope import default_inv_freq, rope_cos_sin
-from zllm.weights.formats import BLOCK_LAYOUTS, DENSE_FORMATS, DTYPE_OF_FORMAT, QuantizedTensor
+from zllm.weights.formats import BLOCK_LAYOUTS, DENSE_FORMATS, DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
 
 #: Tolerance of every op whose spec states none tighter (DESIGN: "atol = rtol = 1e-2").
 DEFAULT_ATOL = 1e-2
@@ -126,6 +127,8 @@ def make_weight(g: torch.Generator, fmt: str, n: int, k: int,
         return _random_kquant(g, fmt, n, k)
     if fmt in BLOCK_LAYOUTS and hasattr(gguf.GGMLQuantizationType, fmt.upper()):
         return _gguf_quantize(_randn(g, n, k, scale=scale), fmt)
+    if fmt in FORMATS:
+        return quantizers.quantize(_randn(g, n, k, scale=scale), fmt)
     raise NoCases(f"no weight encoder for format {fmt!r}")
 
 
@@ -135,6 +138,8 @@ def _block(fmt: str) -> int:
         return 1
     if fmt in BLOCK_LAYOUTS:
         return BLOCK_LAYOUTS[fmt].block_size
+    if fmt in FORMATS:
+        return 32  # the groups of conformance.quantizers.quantize
     raise NoCases(f"unknown weight format {fmt!r}")
 
 
@@ -188,10 +193,11 @@ def embedding_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]
 
 def make_expert_stack(g: torch.Generator, fmt: str, e: int, n: int, k: int) -> torch.Tensor | QuantizedTensor:
     """An expert stack ``[E, N, K]`` in ``fmt``: ``E`` weights of :func:`make_weight`, stacked
-    (a quantized stack holds the experts' blocks as uint8 ``[E, N, bytes per row]``)."""
+    (each part of a quantized stack is its experts' parts stacked: ``[E, *part shape]``)."""
     experts = [make_weight(g, fmt, n, k) for _ in range(e)]
     if isinstance(experts[0], QuantizedTensor):
-        return QuantizedTensor(torch.stack([w.data for w in experts]), fmt, (e, n, k))
+        parts = {name: torch.stack([w.parts[name] for w in experts]) for name in experts[0].parts}  # type: ignore[union-attr]
+        return QuantizedTensor(parts, fmt, (e, n, k), block=experts[0].block)
     return torch.stack(experts)  # type: ignore[arg-type]
 
 

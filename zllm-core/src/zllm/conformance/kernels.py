@@ -46,7 +46,7 @@ def place_weight(backend: Any, w: torch.Tensor | QuantizedTensor, copy: bool = F
     ``copy`` first copies it, so that a kernel writing it (a KV cache) cannot change the
     original when ``place`` returns its argument."""
     if isinstance(w, QuantizedTensor):
-        return QuantizedTensor(backend.place(w.data.clone() if copy else w.data), w.fmt, w.shape)
+        return w.map(lambda t: backend.place(t.clone() if copy else t))
     return backend.place(w.clone() if copy else w)
 
 
@@ -69,7 +69,7 @@ def _cloned(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return a.clone()
     if isinstance(a, QuantizedTensor):
-        return QuantizedTensor(a.data.clone(), a.fmt, a.shape)
+        return a.map(torch.Tensor.clone)
     if isinstance(a, SharedExperts):
         return SharedExperts(_cloned(a.gate_proj), _cloned(a.up_proj), _cloned(a.down_proj),
                              _cloned(a.shared_expert_gate))
@@ -129,12 +129,12 @@ def changed_inputs(case: Case, given: list) -> list[str]:
         if isinstance(original, torch.Tensor) and isinstance(arg, torch.Tensor):
             pairs = [(original, arg)]
         elif isinstance(original, QuantizedTensor) and isinstance(arg, QuantizedTensor):
-            pairs = [(original.data, arg.data)]
+            pairs = list(zip(_data(original), _data(arg), strict=True))
         elif isinstance(original, AttentionMetadata) and isinstance(arg, AttentionMetadata):
             pairs = [(original.slot_mapping, arg.slot_mapping), (original.block_tables, arg.block_tables)]
         elif isinstance(original, SharedExperts) and isinstance(arg, SharedExperts):
-            pairs = [(_data(o), _data(a)) for o, a in zip(_shared_parts(original), _shared_parts(arg), strict=True)
-                     if o is not None and a is not None]
+            pairs = [pair for o, a in zip(_shared_parts(original), _shared_parts(arg), strict=True)
+                     if o is not None and a is not None for pair in zip(_data(o), _data(a), strict=True)]
         else:
             continue
         if not all(_same_values(o, a) for o, a in pairs):
@@ -143,8 +143,9 @@ def changed_inputs(case: Case, given: list) -> list[str]:
 
 
 
-def _data(w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
-    return w.data if isinstance(w, QuantizedTensor) else w
+def _data(w: torch.Tensor | QuantizedTensor) -> list[torch.Tensor]:
+    """The tensors a weight is made of: a dense tensor, or every part of a quantized one."""
+    return [w.parts[name] for name in sorted(w.parts)] if isinstance(w, QuantizedTensor) else [w]
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:

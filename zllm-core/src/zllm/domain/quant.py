@@ -36,11 +36,13 @@ sub-block scale ``d * sc`` (and min ``dmin * m``) is rounded to f32 first, then
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
 
 import torch
 
-from zllm.weights.formats import BLOCK_LAYOUTS, QuantizedTensor
+from zllm.weights.formats import FORMATS, QuantizedTensor
 
 QK = 32  # weights per block for q8_0, q4_0, q4_1, q5_0 and q5_1
 
@@ -272,32 +274,18 @@ def dequantize_q6_k(w: QuantizedTensor) -> torch.Tensor:
     return (dl * q.float()).reshape(w.shape)  # [R, C] or [E, R, C]
 
 
-_DEQUANTIZERS = {
-    "q8_0": dequantize_q8_0,
-    "q4_0": dequantize_q4_0,
-    "q4_1": dequantize_q4_1,
-    "q5_0": dequantize_q5_0,
-    "q5_1": dequantize_q5_1,
-    "q2_k": dequantize_q2_k,
-    "q3_k": dequantize_q3_k,
-    "q4_k": dequantize_q4_k,
-    "q5_k": dequantize_q5_k,
-    "q6_k": dequantize_q6_k,
-}
-assert set(_DEQUANTIZERS) == set(BLOCK_LAYOUTS), "every block layout needs a reference dequantizer"
-
-
 def dequantize(w: QuantizedTensor) -> torch.Tensor:
-    """Dequantize any supported block layout to f32 of ``w``'s shape (``[R, C]``, or ``[E, R, C]``
-    whose slice ``e`` is ``dequantize(w[e])``).
+    """Dequantize a weight of any registered format to f32 of ``w``'s shape (``[R, C]``, or
+    ``[E, R, C]`` whose slice ``e`` is ``dequantize(w[e])``): the format's reference decode
+    named in :data:`zllm.weights.formats.FORMATS`.
 
     Raises:
-        ValueError: ``w.fmt`` has no dequantizer (names the valid ones).
+        ValueError: ``w.fmt`` is not a registered format (names the valid ones).
     """
     try:
-        fn = _DEQUANTIZERS[w.fmt]
+        spec = FORMATS[w.fmt]
     except KeyError:
-        raise ValueError(
-            f"no reference dequantizer for format {w.fmt!r}; expected one of {sorted(_DEQUANTIZERS)}"
-        ) from None
+        raise ValueError(f"no reference dequantizer for format {w.fmt!r}; expected one of {sorted(FORMATS)}") from None
+    module, _, function = spec.reference.partition(":")
+    fn: Callable[[QuantizedTensor], torch.Tensor] = getattr(importlib.import_module(module), function)
     return fn(w)

@@ -35,7 +35,7 @@ from zllm.spec.errors import (
 )
 from zllm.tokenizer import Tokenizer
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
-from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, QuantizedTensor
+from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
 
 #: Share of the memory available before the weights are read that weights and an automatically
 #: sized KV cache (``runtime.kv_cache.num_blocks: null``) may take together; the rest is left
@@ -212,16 +212,14 @@ def _nbytes(ckpt: Checkpoint, name: str, fmt: str | None = None) -> int:
     """Bytes of tensor ``name`` stored in ``fmt`` (default: the checkpoint's format)."""
     shape, stored = ckpt.tensor_shape_format(name)
     fmt = fmt or stored
-    n = math.prod(shape)
-    if fmt in BLOCK_LAYOUTS:
-        layout = BLOCK_LAYOUTS[fmt]
-        return n // layout.block_size * layout.type_size
-    return n * DTYPE_OF_FORMAT[fmt].itemsize
+    if fmt in FORMATS:
+        return ckpt.tensor_nbytes(name)
+    return math.prod(shape) * DTYPE_OF_FORMAT[fmt].itemsize
 
 
 def _place(backend, w):
     if isinstance(w, QuantizedTensor):
-        return QuantizedTensor(backend.place(w.data), w.fmt, w.shape)
+        return w.map(backend.place)
     return backend.place(w)
 
 

@@ -8,6 +8,7 @@ single GGUF file (see :mod:`zllm.weights.gguf_file`). Both present tensors under
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from zllm.spec.errors import CheckpointError
-from zllm.weights.formats import QuantizedTensor
+from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
 from zllm.weights.gguf_maps import GGUFArchMap
 
 CHECKPOINT_FORMATS = ("auto", "hf", "gguf")
@@ -80,12 +81,25 @@ class Checkpoint(abc.ABC):
     @abc.abstractmethod
     def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
         """Logical shape (as :meth:`tensor_shape`) and zllm format (``f32``, ``f16``, ``bf16``,
-        ``q8_0``, ``q4_0``) of tensor ``name``, without reading data.
+        or a :data:`~zllm.weights.formats.FORMATS` name: ``q8_0``, ``fp8_e4m3`` …) of tensor
+        ``name``, without reading data.
 
         Raises:
             TensorError: no tensor ``name`` in the checkpoint, or it is stored in a type zllm
                 does not support (the message names the stored type and the supported ones).
         """
+
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes tensor ``name`` occupies once loaded, in its stored format (every part of a
+        quantized weight), without reading data.
+
+        Raises:
+            TensorError: as :meth:`tensor_shape_format`.
+        """
+        shape, fmt = self.tensor_shape_format(name)
+        if fmt in FORMATS:
+            return FORMATS[fmt].nbytes(shape)
+        return math.prod(shape) * DTYPE_OF_FORMAT[fmt].itemsize
 
     @abc.abstractmethod
     def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:

@@ -1,9 +1,38 @@
-"""Weight formats: the names zllm uses for dense dtypes and quantized block layouts.
+"""Weight formats: the names zllm uses for dense dtypes, and the weight-format registry.
 
 A *format* is the storage of one weight tensor: a dense torch dtype (``f32``, ``f16``,
-``bf16``) or a GGUF block-quantized layout (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``,
-the k-quants ``q2_k`` … ``q6_k``). Block layouts follow ggml (``ggml/src/ggml-common.h``);
-all multi-byte fields are little endian:
+``bf16``) or a quantized format declared once in :data:`FORMATS` (a :class:`WeightFormat`:
+its named parts with their kernel-layout dtypes and shapes, the f32 reference decode, bytes
+per weight, the compatibility-matrix columns of the checkpoints that store it). Every other
+list of formats (op variants, the backends' kernel tables, the compatibility matrix, the GGUF
+reader) derives from :data:`FORMATS`. A quantized weight is one :class:`QuantizedTensor`: an
+N-D logical tensor (leading dimensions such as an expert stack first) made of named parts.
+
+The HF formats' kernel layouts (``N`` out-features = rows, ``K`` in-features = columns,
+``[*lead]`` leading dimensions first in every part, every part contiguous):
+
+- ``fp8_e4m3``: ``qweight`` uint8 ``[*lead, N, K]`` (E4M3FN bits), ``scale`` f32
+  ``[*lead, ceil(N / bn), ceil(K / bk)]``; ``w[n, k] = e4m3(q[n, k]) * scale[n // bn, k // bk]``
+  with ``block = (bn, bk)``: ``(128, 128)`` for DeepSeek-V3-style blocks, ``(1, K)`` per
+  channel, ``(N, K)`` per tensor.
+- ``int4_g`` / ``int8_g``: ``qweight`` uint8 ``[*lead, N, K / 2]`` (byte ``j``: low nibble =
+  column ``2j``, high nibble = column ``2j + 1``) or ``[*lead, N, K]``; ``scales`` f32
+  ``[*lead, N, K / g]``; ``zeros`` uint8 ``[*lead, N, K / g]`` (unsigned zero point; symmetric
+  checkpoints get 8 resp. 128); ``w[n, k] = scales[n, k // g] * (q[n, k] - zeros[n, k // g])``,
+  ``block = (1, g)``. With GPTQ's act-order (``desc_act``) the columns are stored in group
+  order and the optional part ``perm`` int64 ``[*lead, K]`` says which logical column each
+  stored column is: stored column ``j`` is logical column ``perm[j]``, so
+  ``x @ W^T = x[..., perm] @ W_stored^T``.
+- ``mxfp4``: ``qweight`` uint8 ``[*lead, N, K / 2]`` (low nibble = even column), ``scales``
+  uint8 ``[*lead, N, K / 32]`` (E8M0); ``w = e2m1(nibble) * 2^(scale - 127)``.
+- ``nvfp4``: ``qweight`` uint8 ``[*lead, N, K / 2]``, ``scales`` uint8 ``[*lead, N, K / 16]``
+  (E4M3FN bits), ``global_scale`` f32 ``[*lead]``;
+  ``w = e2m1(nibble) * (e4m3(scales[n, k // 16]) * global_scale)``.
+
+``e2m1`` is the 4-bit float of the OCP Microscaling spec: bit 3 sign, values ``0, .5, 1, 1.5,
+2, 3, 4, 6``. The GGUF block formats have one part, ``data``: uint8
+``[*lead, N, K / block_size * type_size]``. Their layouts follow ggml
+(``ggml/src/ggml-common.h``); all multi-byte fields are little endian:
 
 - ``q8_0``: 32 weights per block, 34 bytes = f16 scale ``d`` + 32 x int8 ``qs``;
   ``w[i] = d * qs[i]``.
@@ -55,6 +84,9 @@ of weight ``i``; ``q`` is the weight's quantized integer:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable, Mapping
+
 import attrs
 import torch
 
@@ -64,7 +96,7 @@ DTYPE_OF_FORMAT: dict[str, torch.dtype] = {v: k for k, v in DENSE_FORMATS.items(
 
 @attrs.frozen
 class BlockLayout:
-    """One quantized block layout: ``block_size`` weights stored in ``type_size`` bytes."""
+    """One GGUF block layout: ``block_size`` weights stored in ``type_size`` bytes."""
 
     name: str
     block_size: int
@@ -73,24 +105,196 @@ class BlockLayout:
 
 QK_K = 256  # weights per k-quant super-block (ggml's QK_K)
 
-BLOCK_LAYOUTS: dict[str, BlockLayout] = {
-    "q8_0": BlockLayout("q8_0", 32, 34),
-    "q4_0": BlockLayout("q4_0", 32, 18),
-    "q4_1": BlockLayout("q4_1", 32, 20),  # 2 + 2 + 16
-    "q5_0": BlockLayout("q5_0", 32, 22),  # 2 + 4 + 16
-    "q5_1": BlockLayout("q5_1", 32, 24),  # 2 + 2 + 4 + 16
-    "q2_k": BlockLayout("q2_k", QK_K, 84),  # 16 + 64 + 2 + 2
-    "q3_k": BlockLayout("q3_k", QK_K, 110),  # 32 + 64 + 12 + 2
-    "q4_k": BlockLayout("q4_k", QK_K, 144),  # 2 + 2 + 12 + 128
-    "q5_k": BlockLayout("q5_k", QK_K, 176),  # 2 + 2 + 12 + 32 + 128
-    "q6_k": BlockLayout("q6_k", QK_K, 210),  # 128 + 64 + 16 + 2
-}
+#: How a part follows a selection of a 2-D weight's rows (:meth:`QuantizedTensor.rows`).
+ROW = "row"  # its dimension -2 is the weight's row: select the same rows
+BLOCK_ROW = "block_row"  # its dimension -2 is the row block ``n // block[0]``: select those
+UNROWED = "unrowed"  # no row dimension (a column permutation, a global scale): kept whole
+_ROW_KINDS = (ROW, BLOCK_ROW, UNROWED)
 
-ALL_FORMATS: tuple[str, ...] = ("f32", "f16", "bf16", *BLOCK_LAYOUTS)
+Shape = tuple[int, ...]
+PartShapes = Callable[[Shape, int, int, tuple[int, int]], dict[str, Shape]]
+
+
+@attrs.frozen
+class Part:
+    """One named tensor of a quantized weight, in its kernel layout.
+
+    Attributes:
+        name: the part's name (``qweight``, ``scale`` …), a key of :attr:`QuantizedTensor.parts`.
+        dtype: its torch dtype.
+        shape: its shape in symbols, for documentation (``"[*lead, N, K/2]"``).
+        rows: how it follows a row selection: :data:`ROW`, :data:`BLOCK_ROW` or :data:`UNROWED`.
+        optional: the part may be absent (GPTQ's act-order ``perm``).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: str
+    rows: str = attrs.field(validator=attrs.validators.in_(_ROW_KINDS))
+    optional: bool = False
+
+
+@attrs.frozen
+class WeightFormat:
+    """One quantized weight format: the single declaration every table of formats derives from.
+
+    Attributes:
+        name: the format name (``q8_0``, ``fp8_e4m3`` …): op variant, capability, registry key.
+        summary: one line for documentation and ``zllm compat``.
+        parts: the named parts of one logical weight, in their kernel layouts.
+        part_shapes: ``(lead, N, K, block) -> {part: shape}`` for a weight of logical shape
+            ``(*lead, N, K)``; optional parts included (a weight without one simply lacks it).
+        bits: bits of one quantized value (the scales come on top; see :meth:`nbytes`).
+        reference: ``"module:function"`` of the f32 reference decode, ``QuantizedTensor ->
+            f32 [*lead, N, K]`` (imported on first use: the weights layer never imports the
+            domain layer).
+        columns: the compatibility matrix's columns for checkpoints storing this format
+            (``gguf-Q8_0``, ``hf-fp8`` …).
+        fixed_block: ``(rows, cols)`` of the weights one scale covers when the format fixes
+            it (GGUF blocks, MXFP4, NVFP4); None when each weight says (:attr:`QuantizedTensor.block`).
+        column_multiple: a weight's columns must be a multiple of this.
+        gguf: the GGUF block layout, for the GGUF formats.
+    """
+
+    name: str
+    summary: str
+    parts: tuple[Part, ...]
+    part_shapes: PartShapes
+    bits: int
+    reference: str
+    columns: tuple[str, ...]
+    fixed_block: tuple[int, int] | None = None
+    column_multiple: int = 1
+    gguf: BlockLayout | None = None
+
+    def part(self, name: str) -> Part:
+        """The declaration of part ``name``. Raises KeyError naming the format's parts."""
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(f"format {self.name!r} has no part {name!r}; its parts: {', '.join(p.name for p in self.parts)}")
+
+    def nbytes(self, shape: Shape, block: tuple[int, int] | None = None, optional: bool = False) -> int:
+        """Bytes of a weight of logical ``shape`` (``(*lead, N, K)``) in this format: the sum
+        of its parts' bytes (optional parts counted when ``optional``)."""
+        *lead, n, k = shape
+        block = block or self.fixed_block or (1, k)
+        shapes = self.part_shapes(tuple(lead), n, k, block)
+        return sum(math.prod(s) * self.part(name).dtype.itemsize for name, s in shapes.items()
+                   if optional or not self.part(name).optional)
+
+    def bits_per_weight(self, shape: Shape, block: tuple[int, int] | None = None) -> float:
+        """Bits per logical weight of a weight of ``shape`` (scales and zero points included)."""
+        return 8 * self.nbytes(shape, block) / math.prod(shape)
+
+
+def _gguf_shapes(layout: BlockLayout) -> PartShapes:
+    return lambda lead, n, k, block: {"data": (*lead, n, k // layout.block_size * layout.type_size)}
+
+
+def _gguf(name: str, block_size: int, type_size: int, summary: str) -> WeightFormat:
+    layout = BlockLayout(name, block_size, type_size)
+    return WeightFormat(
+        name=name, summary=summary,
+        parts=(Part("data", torch.uint8, f"[*lead, N, K/{block_size}*{type_size}]", ROW),),
+        part_shapes=_gguf_shapes(layout), bits=8 * type_size // block_size,
+        reference=f"zllm.domain.quant:dequantize_{name}", columns=(f"gguf-{name.upper()}",),
+        fixed_block=(1, block_size), column_multiple=block_size, gguf=layout,
+    )  # fmt: skip
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp8_shapes(lead: Shape, n: int, k: int, block: tuple[int, int]) -> dict[str, Shape]:
+    return {"qweight": (*lead, n, k), "scale": (*lead, _ceil(n, block[0]), _ceil(k, block[1]))}
+
+
+def _int_shapes(bits: int) -> PartShapes:
+    def shapes(lead: Shape, n: int, k: int, block: tuple[int, int]) -> dict[str, Shape]:
+        groups = k // block[1]
+        return {"qweight": (*lead, n, k * bits // 8), "scales": (*lead, n, groups), "zeros": (*lead, n, groups),
+                "perm": (*lead, k)}
+    return shapes
+
+
+def _fp4_shapes(group: int, global_scale: bool) -> PartShapes:
+    def shapes(lead: Shape, n: int, k: int, block: tuple[int, int]) -> dict[str, Shape]:
+        out = {"qweight": (*lead, n, k // 2), "scales": (*lead, n, k // group)}
+        return {**out, "global_scale": tuple(lead)} if global_scale else out
+    return shapes
+
+
+def _int_format(bits: int) -> WeightFormat:
+    packed = "K/2" if bits == 4 else "K"
+    return WeightFormat(
+        name=f"int{bits}_g",
+        summary=f"{bits}-bit integers in groups of g columns with an f32 scale and a zero point each "
+                "(GPTQ, AWQ, compressed-tensors pack-quantized)",
+        parts=(Part("qweight", torch.uint8, f"[*lead, N, {packed}]", ROW),
+               Part("scales", torch.float32, "[*lead, N, K/g]", ROW),
+               Part("zeros", torch.uint8, "[*lead, N, K/g]", ROW),
+               Part("perm", torch.int64, "[*lead, K]", UNROWED, optional=True)),
+        part_shapes=_int_shapes(bits), bits=bits, reference="zllm.domain.quant_hf:dequantize_int_g",
+        columns=(f"hf-gptq-int{bits}", *(("hf-awq-int4",) if bits == 4 else ()), f"hf-ct-int{bits}"),
+        column_multiple=2 if bits == 4 else 1,
+    )  # fmt: skip
+
+
+#: The weight-format registry: format name -> declaration. GGUF block layouts (ggml
+#: ``ggml-common.h``, byte layouts in the module doc) first, then the HF checkpoints' formats.
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+    _gguf("q8_0", 32, 34, "GGUF Q8_0: 32 int8 and an f16 scale per block"),
+    _gguf("q4_0", 32, 18, "GGUF Q4_0: 32 4-bit values and an f16 scale per block"),
+    _gguf("q4_1", 32, 20, "GGUF Q4_1: 32 4-bit values, an f16 scale and min per block"),  # 2 + 2 + 16
+    _gguf("q5_0", 32, 22, "GGUF Q5_0: 32 5-bit values and an f16 scale per block"),  # 2 + 4 + 16
+    _gguf("q5_1", 32, 24, "GGUF Q5_1: 32 5-bit values, an f16 scale and min per block"),  # 2 + 2 + 4 + 16
+    _gguf("q2_k", QK_K, 84, "GGUF Q2_K super-blocks"),  # 16 + 64 + 2 + 2
+    _gguf("q3_k", QK_K, 110, "GGUF Q3_K super-blocks"),  # 32 + 64 + 12 + 2
+    _gguf("q4_k", QK_K, 144, "GGUF Q4_K super-blocks"),  # 2 + 2 + 12 + 128
+    _gguf("q5_k", QK_K, 176, "GGUF Q5_K super-blocks"),  # 2 + 2 + 12 + 32 + 128
+    _gguf("q6_k", QK_K, 210, "GGUF Q6_K super-blocks"),  # 128 + 64 + 16 + 2
+    WeightFormat(
+        name="fp8_e4m3",
+        summary="FP8 E4M3FN with f32 scales per block, channel or tensor (HF fp8, compressed-tensors "
+                "float-quantized)",
+        parts=(Part("qweight", torch.uint8, "[*lead, N, K]", ROW),
+               Part("scale", torch.float32, "[*lead, ceil(N/bn), ceil(K/bk)]", BLOCK_ROW)),
+        part_shapes=_fp8_shapes, bits=8, reference="zllm.domain.quant_hf:dequantize_fp8_e4m3",
+        columns=("hf-fp8", "hf-ct-fp8"),
+    ),
+    _int_format(4),
+    _int_format(8),
+    WeightFormat(
+        name="mxfp4",
+        summary="OCP MXFP4: E2M1 values in blocks of 32 with an E8M0 scale (gpt-oss, compressed-tensors)",
+        parts=(Part("qweight", torch.uint8, "[*lead, N, K/2]", ROW),
+               Part("scales", torch.uint8, "[*lead, N, K/32]", ROW)),
+        part_shapes=_fp4_shapes(32, False), bits=4, reference="zllm.domain.quant_hf:dequantize_mxfp4",
+        columns=("hf-mxfp4", "hf-ct-mxfp4"), fixed_block=(1, 32), column_multiple=32,
+    ),
+    WeightFormat(
+        name="nvfp4",
+        summary="NVFP4: E2M1 values in blocks of 16 with an E4M3 scale, times an f32 global scale "
+                "(modelopt, compressed-tensors)",
+        parts=(Part("qweight", torch.uint8, "[*lead, N, K/2]", ROW),
+               Part("scales", torch.uint8, "[*lead, N, K/16]", ROW),
+               Part("global_scale", torch.float32, "[*lead]", UNROWED)),
+        part_shapes=_fp4_shapes(16, True), bits=4, reference="zllm.domain.quant_hf:dequantize_nvfp4",
+        columns=("hf-modelopt-nvfp4", "hf-ct-nvfp4"), fixed_block=(1, 16), column_multiple=16,
+    ),
+)}
+
+#: The GGUF block layouts: format name -> layout (derived from :data:`FORMATS`).
+BLOCK_LAYOUTS: dict[str, BlockLayout] = {name: f.gguf for name, f in FORMATS.items() if f.gguf is not None}
+
+#: Every format a weight can have: the dense dtypes, then :data:`FORMATS` in order.
+ALL_FORMATS: tuple[str, ...] = (*DENSE_FORMATS.values(), *FORMATS)
 
 
 def format_of(weight: torch.Tensor | QuantizedTensor) -> str:
-    """The format name of a weight: ``f32``/``f16``/``bf16`` or its block layout name.
+    """The format name of a weight: ``f32``/``f16``/``bf16`` or its :data:`FORMATS` name.
 
     Raises:
         ValueError: a dense tensor of a dtype zllm does not store weights in.
@@ -105,45 +309,92 @@ def format_of(weight: torch.Tensor | QuantizedTensor) -> str:
         ) from None
 
 
+def _as_parts(value: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GGUF format's single byte tensor becomes its one part ``data``."""
+    return {"data": value} if isinstance(value, torch.Tensor) else dict(value)
+
+
+def _as_shape(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)
+
+
 @attrs.frozen(eq=False)
 class QuantizedTensor:
-    """A block-quantized weight kept in its stored bytes: 2-D ``[N, K]``, or N-D with leading
-    dimensions (an expert stack ``[E, N, K]``) over the same per-row blocks.
+    """A quantized weight kept in its stored form: one logical tensor ``(*lead, N, K)`` (2-D, or
+    N-D with leading dimensions such as an expert stack ``[E, N, K]``) made of named parts.
+
+    ``QuantizedTensor(data, "q8_0", shape)`` builds a GGUF-format weight from its bytes;
+    ``QuantizedTensor({"qweight": q, "scale": s}, "fp8_e4m3", shape, block=(128, 128))`` one of
+    several parts.
 
     Attributes:
-        data: uint8 ``[*lead, rows, cols // block_size * type_size]``; row ``r`` holds the
-            blocks of logical row ``r`` in order (ggml's layout), so a row permutation is a
-            permutation of ``data``'s rows.
-        fmt: block layout name, a key of :data:`BLOCK_LAYOUTS`.
-        shape: logical ``(*lead, rows, cols)`` of the dequantized tensor; ``cols`` is a
-            multiple of the block size.
+        parts: part name -> tensor in the kernel layout of :data:`FORMATS` ``[fmt]`` (the
+            module doc); every part has the weight's leading dimensions first.
+        fmt: the format name, a key of :data:`FORMATS`.
+        shape: logical ``(*lead, N, K)`` of the dequantized tensor.
+        block: ``(rows, cols)`` of the weights one scale covers, for the formats whose weights
+            choose it (``fp8_e4m3``, ``int4_g``, ``int8_g``); None takes the format's fixed block.
     """
 
-    data: torch.Tensor
+    parts: dict[str, torch.Tensor] = attrs.field(converter=_as_parts)
     fmt: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = attrs.field(converter=_as_shape)
+    block: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        layout = BLOCK_LAYOUTS[self.fmt]
-        *lead, cols = self.shape
-        assert len(self.shape) >= 2 and cols % layout.block_size == 0, (self.fmt, self.shape)
-        assert self.data.dtype == torch.uint8
-        assert tuple(self.data.shape) == (*lead, cols // layout.block_size * layout.type_size), (
-            tuple(self.data.shape),
-            self.shape,
-        )
+        spec = FORMATS[self.fmt]
+        *lead, n, k = self.shape
+        block = self.block_shape
+        assert len(self.shape) >= 2 and k % spec.column_multiple == 0, (self.fmt, self.shape)
+        expected = spec.part_shapes(tuple(lead), n, k, block)
+        for part in spec.parts:
+            if part.name not in self.parts:
+                assert part.optional, (self.fmt, "missing part", part.name)
+                continue
+            t = self.parts[part.name]
+            assert t.dtype == part.dtype, (self.fmt, part.name, t.dtype, part.dtype)
+            assert tuple(t.shape) == expected[part.name], (self.fmt, part.name, tuple(t.shape), expected[part.name])
+        assert set(self.parts) <= {p.name for p in spec.parts}, (self.fmt, sorted(self.parts))
+
+    @property
+    def spec(self) -> WeightFormat:
+        """The format's declaration in :data:`FORMATS`."""
+        return FORMATS[self.fmt]
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the weights one scale covers: :attr:`block`, else the format's
+        fixed block."""
+        block = self.block or FORMATS[self.fmt].fixed_block
+        assert block is not None, (self.fmt, "needs an explicit block")
+        return block
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The one byte tensor of a GGUF block format: uint8 ``[*lead, rows, bytes per row]``;
+        row ``r`` holds the blocks of logical row ``r`` in order (ggml's layout)."""
+        assert "data" in self.parts, (self.fmt, "has parts", sorted(self.parts))
+        return self.parts["data"]
 
     @property
     def layout(self) -> BlockLayout:
-        return BLOCK_LAYOUTS[self.fmt]
+        """The GGUF block layout of a GGUF-format weight."""
+        layout = FORMATS[self.fmt].gguf
+        assert layout is not None, (self.fmt, "is not a GGUF block format")
+        return layout
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        """Bytes of all parts together."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def _with(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...],
+              block: tuple[int, int] | None = None) -> QuantizedTensor:
+        return QuantizedTensor(parts, self.fmt, shape, block=block or self.block)
 
     def __getitem__(self, index: int) -> QuantizedTensor:
         """Slice ``index`` of the first dimension (expert ``e`` of ``[E, N, K]`` -> ``[N, K]``),
-        sharing ``data``. Only N-D (N >= 3) tensors slice; a 2-D weight's rows come from
+        sharing every part. Only N-D (N >= 3) tensors slice; a 2-D weight's rows come from
         :meth:`rows`.
 
         Raises:
@@ -153,13 +404,37 @@ class QuantizedTensor:
         if not -self.shape[0] <= index < self.shape[0]:
             raise IndexError(f"index {index} out of range for the first dimension of "
                              f"{list(self.shape)}")
-        return QuantizedTensor(self.data[index], self.fmt, self.shape[1:])
+        return self._with({name: t[index] for name, t in self.parts.items()}, self.shape[1:])
 
-    def rows(self, index: torch.Tensor) -> QuantizedTensor:
-        """The rows ``index`` (int64 ``[n]``) of a 2-D tensor as a new quantized tensor of
-        shape ``(n, cols)``."""
+    def rows(self, index: torch.Tensor | slice) -> QuantizedTensor:
+        """Rows ``index`` (int64 ``[n]``, or a step-1 slice) of a 2-D weight as a new quantized
+        weight ``(n, K)``. Row parts are gathered (a slice shares them); a block-row scale is
+        gathered per selected row, so the result's block becomes ``(1, bk)``."""
         assert len(self.shape) == 2, self.shape
-        return QuantizedTensor(self.data[index], self.fmt, (int(index.numel()), self.shape[1]))
+        spec = FORMATS[self.fmt]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.shape[0])
+            assert step == 1, index
+            ids = torch.arange(start, max(start, stop))
+        else:
+            ids = index
+        parts: dict[str, torch.Tensor] = {}
+        block = self.block
+        for name, t in self.parts.items():
+            kind = spec.part(name).rows
+            if kind == ROW:
+                parts[name] = t[index]
+            elif kind == BLOCK_ROW:
+                parts[name] = t[ids.to(t.device) // self.block_shape[0]]
+                block = (1, self.block_shape[1])
+            else:
+                parts[name] = t
+        return self._with(parts, (int(ids.numel()), self.shape[1]), block)
 
     def to(self, device: torch.device) -> QuantizedTensor:
-        return QuantizedTensor(self.data.to(device), self.fmt, self.shape)
+        """Every part moved to ``device``."""
+        return self.map(lambda t: t.to(device))
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+        """``fn`` applied to every part (placing on a device, cloning), shape and block kept."""
+        return self._with({name: fn(t) for name, t in self.parts.items()}, self.shape)

@@ -33,20 +33,12 @@ from zllm.weights.gguf_maps import (
 )
 
 # GGML tensor type → zllm format. Other types are reported by name and refused by tensor().
+# The block formats are the registry's GGUF layouts, named as gguf-py's enum names them.
 GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
     GGMLQuantizationType.F32: "f32",
     GGMLQuantizationType.F16: "f16",
     GGMLQuantizationType.BF16: "bf16",
-    GGMLQuantizationType.Q8_0: "q8_0",
-    GGMLQuantizationType.Q4_0: "q4_0",
-    GGMLQuantizationType.Q4_1: "q4_1",
-    GGMLQuantizationType.Q5_0: "q5_0",
-    GGMLQuantizationType.Q5_1: "q5_1",
-    GGMLQuantizationType.Q2_K: "q2_k",
-    GGMLQuantizationType.Q3_K: "q3_k",
-    GGMLQuantizationType.Q4_K: "q4_k",
-    GGMLQuantizationType.Q5_K: "q5_k",
-    GGMLQuantizationType.Q6_K: "q6_k",
+    **{GGMLQuantizationType[name.upper()]: name for name in BLOCK_LAYOUTS},
 }
 
 

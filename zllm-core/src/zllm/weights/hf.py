@@ -29,6 +29,7 @@ from safetensors import safe_open
 from zllm.spec.errors import CheckpointError, TensorError
 from zllm.weights.checkpoint import Checkpoint
 from zllm.weights.formats import QuantizedTensor
+from zllm.weights.hf_quant import Fold, QuantPlan, plan_quantization
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -41,7 +42,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SAFETENSORS_FORMATS: dict[str, str] = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # Element sizes, to check each tensor's byte span against its shape.
 SAFETENSORS_ITEM_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
     "U32": 4, "I32": 4, "F32": 4,
     "U64": 8, "I64": 8, "F64": 8,
@@ -178,6 +179,22 @@ class HFCheckpoint(Checkpoint):
                 self._handles[shard] = safe_open(str(shard), framework="pt")
             except Exception as e:  # safetensors raises its own SafetensorError and OSError
                 raise CheckpointError(str(shard), f"cannot open safetensors file: {e}") from e
+        self._quant: QuantPlan | None = None
+        self._names = list(self._entries)
+        if "quantization_config" in self._config:
+            self._quant = plan_quantization(config_file, self._config["quantization_config"], self._entries,
+                                            self._read)
+            self._skipped.update(self._quant.skipped)
+            consumed = self._quant.consumed
+            self._names = [consumed.get(n, n) for n in self._entries if n not in self._quant.skipped
+                           and (n not in consumed or self._quant.folds[consumed[n]].sources[0] == n)]
+
+    def _read(self, name: str) -> torch.Tensor:
+        """Stored tensor ``name`` as safetensors maps it (no dtype check)."""
+        return self._handles[self._entries[name].file].get_tensor(name)
+
+    def _fold(self, name: str) -> Fold | None:
+        return None if self._quant is None else self._quant.folds.get(name)
 
     def _read_index(self, index: Path) -> tuple[list[Path], dict[str, _Entry]]:
         weight_map = _read_json(index).get("weight_map")
@@ -240,13 +257,20 @@ class HFCheckpoint(Checkpoint):
         return {}
 
     def _entry(self, name: str) -> _Entry:
+        fold = self._fold(name)
+        if fold is not None:
+            return self._entries[fold.sources[0]]
+        if self._quant is not None and name in self._quant.consumed:
+            raise TensorError(str(self.path), name, f"folded into the quantized weight {self._quant.consumed[name]!r}")
         try:
             return self._entries[name]
         except KeyError:
             raise TensorError(str(self.path), name, "not in the checkpoint") from None
 
     def tensor_names(self) -> list[str]:
-        return list(self._entries)
+        """Canonical names in file order; a quantized weight's parts appear as its one logical
+        name (:mod:`zllm.weights.hf_quant`), where its first part is."""
+        return list(self._names)
 
     @property
     def skipped_tensors(self) -> dict[str, str]:
@@ -256,21 +280,33 @@ class HFCheckpoint(Checkpoint):
         return self._entry(name).file
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name).shape
+        fold = self._fold(name)
+        return fold.shape if fold is not None else self._entry(name).shape
+
+    def tensor_nbytes(self, name: str) -> int:
+        fold = self._fold(name)
+        return fold.nbytes if fold is not None else super().tensor_nbytes(name)
 
     def tensor_shape_format(self, name: str) -> tuple[tuple[int, ...], str]:
+        fold = self._fold(name)
+        if fold is not None:
+            return fold.shape, fold.fmt
         entry = self._entry(name)
         fmt = SAFETENSORS_FORMATS.get(entry.dtype)
         if fmt is None:
             raise TensorError(
                 str(entry.file), name,
-                f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)}",
+                f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)} "
+                "(quantized weights need config.json's quantization_config)",
             )
         return entry.shape, fmt
 
     def tensor(self, name: str) -> torch.Tensor | QuantizedTensor:
+        fold = self._fold(name)
+        if fold is not None:
+            return fold.build(self._read)
         self.tensor_shape_format(name)  # refuses unsupported dtypes
-        return self._handles[self._entry(name).file].get_tensor(name)
+        return self._read(name)
 
     def load_tokenizer(self) -> Any:
         from zllm.tokenizer import Tokenizer

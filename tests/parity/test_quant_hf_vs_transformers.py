@@ -1,0 +1,103 @@
+"""Quantized HF checkpoints end to end: a tiny Llama saved by transformers, quantized into each
+format as its quantizer lays it out (``tests/quant_checkpoints.py``), run by zllm on the CPU
+backend with the weights kept quantized.
+
+Oracle: transformers in f32 on the dequantized weights (the f32 reference of each format,
+checked bit for bit against the defining libraries in ``test_quant_hf_oracle.py``): logits
+within 1e-4, greedy tokens identical. Where transformers itself loads the quantized directory
+on a CPU (it dequantizes: transformers ``fp8`` with ``weight_scale_inv``, compressed-tensors
+``float-quantized`` and symmetric ``pack-quantized`` int8), zllm is compared with that too.
+transformers cannot load the others here: GPTQ needs optimum, AWQ gptqmodel, modelopt has no
+CPU path, compressed-tensors int4 with zero points fails on its packed zero-point shape,
+NVFP4/MXFP4 decompress to bf16 and refuse an f32 model; AutoFP8-style ``weight_scale`` files
+under ``quant_method: fp8`` load but with the scales dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import zllm
+from tests import quant_checkpoints as qc
+from tests.conftest import copy_tokenizer, write_config
+from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits
+
+WRITERS = {
+    "fp8-block": lambda src, dst: qc.write_fp8(src, dst, (32, 32)),
+    "fp8-tensor": lambda src, dst: qc.write_fp8(src, dst, None),
+    "fp8-autofp8": lambda src, dst: qc.write_fp8(src, dst, None, naming="autofp8"),
+    "gptq-int4": lambda src, dst: qc.write_gptq(src, dst, 4, 32),
+    "gptq-int4-v2-desc-act": lambda src, dst: qc.write_gptq(src, dst, 4, 32, "gptq_v2", desc_act=True),
+    "gptq-int8": lambda src, dst: qc.write_gptq(src, dst, 8, 32),
+    "awq-int4": lambda src, dst: qc.write_awq(src, dst, 32),
+    "modelopt-nvfp4": qc.write_modelopt_nvfp4,
+    "ct-w4a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w4a16"),
+    "ct-w8a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a16"),
+    "ct-fp8-block": lambda src, dst: qc.write_compressed_tensors(src, dst, "fp8-block"),
+    "ct-nvfp4": lambda src, dst: qc.write_compressed_tensors(src, dst, "nvfp4"),
+    "ct-mxfp4": lambda src, dst: qc.write_compressed_tensors(src, dst, "mxfp4"),
+}
+FORMAT_OF = {"fp8-block": "fp8_e4m3", "fp8-tensor": "fp8_e4m3", "fp8-autofp8": "fp8_e4m3", "gptq-int4": "int4_g",
+             "gptq-int4-v2-desc-act": "int4_g", "gptq-int8": "int8_g", "awq-int4": "int4_g",
+             "modelopt-nvfp4": "nvfp4", "ct-w4a16": "int4_g", "ct-w8a16": "int8_g", "ct-fp8-block": "fp8_e4m3",
+             "ct-nvfp4": "nvfp4", "ct-mxfp4": "mxfp4"}
+TRANSFORMERS_LOADS = {"fp8-block", "fp8-tensor", "ct-w8a16", "ct-fp8-block"}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    """A tiny Llama (K = 64 and 96, so int groups of 32 and FP8 blocks of 32 fit) saved by transformers."""
+    path = tmp_path_factory.mktemp("quant-dense") / "dense"
+    torch.manual_seed(14)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # random init is tiny: widen it so attention is not uniform
+    model.save_pretrained(path)
+    copy_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(WRITERS))
+def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, dense, case):
+    quantized, reference = tmp_path / case, tmp_path / f"{case}-dequantized"
+    qc.write_dense(dense, reference, WRITERS[case](dense, quantized))
+    oracle = transformers.LlamaForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+
+    engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
+    ours = engine.prompt_logits(PROMPT)
+    torch.testing.assert_close(ours, hf_logits(oracle, PROMPT), atol=1e-4, rtol=0)
+    out = engine.generate({"prompt_token_ids": PROMPT, "max_tokens": 24, "stop_token_ids": []})
+    n = len(out["token_ids"])
+    assert out["token_ids"] == hf_greedy(oracle, 24)[:n]
+    assert n == 24 or out["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("case", sorted(TRANSFORMERS_LOADS))
+def test_quantized_checkpoint_matches_transformers_loading_the_same_directory(tmp_path, dense, case):
+    quantized = tmp_path / case
+    WRITERS[case](dense, quantized)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32).eval()
+    engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
+    torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_quantized_weights_reach_the_kernels_quantized(tmp_path, dense):
+    from zllm.weights import open_checkpoint
+
+    for case in ("gptq-int4", "ct-nvfp4"):
+        WRITERS[case](dense, tmp_path / case)
+        ckpt = open_checkpoint(tmp_path / case)
+        w = ckpt.tensor("model.layers.0.mlp.down_proj.weight")
+        assert w.fmt == FORMAT_OF[case] and w.shape == (64, 96)
+        assert w.nbytes < 64 * 96  # under a byte per weight: never expanded
+        assert "model.layers.0.mlp.down_proj.qweight" not in ckpt.tensor_names()
