@@ -10,6 +10,10 @@ tokens as added tokens after GPT-2's 50257, and a chat template in harmony's mes
 ``<|start|>assistant`` and ended by ``<|return|>``, the model's EOS). Tool calls and
 channels beyond ``final`` are the serving layer's, not rendered here.
 
+:func:`save_mxfp4_copy` writes the same model as the released gpt-oss checkpoints are stored:
+experts in MXFP4 (``*_blocks`` / ``*_scales``, ``quantization_config: {quant_method: mxfp4}``),
+everything else dense.
+
 The random weights are widened (x4, as every parity test: random init is near uniform), the
 sinks drawn around 1 (init leaves them ~0.02, a sink that barely matters), and the experts'
 ``gate_up_proj`` x3 more, so that gpt-oss's clamp (``swiglu_limit`` 7, which GGUF cannot
@@ -30,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from tests.conftest import REPO
+from zllm.conformance.quantizers import quantize_mxfp4
 
 GPT2_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-gpt-2.gguf"
 #: harmony's special tokens, added after GPT-2's vocabulary in this order.
@@ -103,4 +108,36 @@ def save_bf16_copy(src: Path, dst: Path) -> Path:
               metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return dst
+
+
+#: What the released gpt-oss checkpoints leave unquantized (their ``modules_to_not_convert``).
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def _mxfp4_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack in row layout f32 ``[E, R, K]`` as gpt-oss's MXFP4 tensors: blocks U8
+    ``[E, R, K/32, 16]`` (32 E2M1 codes per block, low nibble = even column) and E8M0 scales U8
+    ``[E, R, K/32]``, each expert quantized by zllm's quantizer from the format's definition
+    (:func:`zllm.conformance.quantizers.quantize_mxfp4`)."""
+    e, r, k = rows.shape
+    experts = [quantize_mxfp4(w) for w in rows]
+    blocks = torch.stack([q.parts["qweight"] for q in experts]).reshape(e, r, k // 32, 16)
+    return blocks.contiguous(), torch.stack([q.parts["scales"] for q in experts]).contiguous()
+
+
+def save_mxfp4_copy(src: Path, dst: Path) -> Path:
+    """``src`` (f32, from :func:`save_gpt_oss`) with its experts in MXFP4 as the hub's gpt-oss
+    files hold them: ``gate_up_proj_blocks [E, 2N, C/32, 16]`` (rows = the fused output columns,
+    gate even), ``down_proj_blocks [E, C, N/32, 16]`` and their ``*_scales``; biases, attention,
+    router, embeddings and head stay f32."""
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        dense = tensors.pop(name)  # [E, K, R]: transformers multiplies x @ W
+        tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4_blocks(dense.transpose(1, 2).float())
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    (dst / "config.json").write_text(json.dumps(config))
     return dst

@@ -2,7 +2,10 @@
 transformers saves (:mod:`tests.gpt_oss_checkpoint`: fused interleaved ``gate_up_proj``,
 sinks, alternating sliding (window 8) and full layers, YaRN, the clamp cutting real
 pre-activations), and the GGUF file llama.cpp's own converter writes from it reads as the
-same model.
+same model. The same model with its experts in MXFP4 (``*_blocks`` / ``*_scales``, as the
+released gpt-oss files hold them) keeps them MXFP4 in memory and matches transformers, which
+dequantizes MXFP4 on a CPU (its ``Mxfp4HfQuantizer`` falls back to ``dequantize`` without a
+GPU or the ``kernels`` package; it needs ``accelerate``) — the oracle on the decoded weights.
 
 The prompt (15 tokens) and the 32 greedy tokens run well past the window, so the sliding
 layer drops keys a full layer keeps, in prefill and in decode.
@@ -26,8 +29,9 @@ import transformers
 
 import zllm
 from tests.conftest import REPO, write_config
-from tests.gpt_oss_checkpoint import save_bf16_copy, save_gpt_oss
+from tests.gpt_oss_checkpoint import save_bf16_copy, save_gpt_oss, save_mxfp4_copy
 from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits
+from zllm.plugin_api import QuantizedTensor
 from zllm.spec.errors import ZllmError
 
 CONVERTER = REPO / "tests" / "llama_cpp_converter" / "convert_hf_to_gguf.py"
@@ -66,6 +70,19 @@ def test_bf16_weights_match_transformers_on_rounded_weights(tmp_path, f32_checkp
     _check_logits(ours, hf_logits(rounded, PROMPT))
     native = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), PROMPT)
     assert (ours - native).abs().max() <= 0.1 * native.abs().max()
+
+
+def test_mxfp4_experts_stay_mxfp4_and_match_transformers_dequantizing_them(tmp_path, f32_checkpoint):
+    path = save_mxfp4_copy(f32_checkpoint[1], tmp_path / "mxfp4")
+    engine = zllm.Engine.from_config(write_config(tmp_path, path))
+    experts = engine.loaded.model.layers[1].experts
+    for stack, shape in ((experts.gate, (4, 32, 64)), (experts.up, (4, 32, 64)), (experts.down, (4, 64, 32))):
+        assert isinstance(stack, QuantizedTensor) and stack.fmt == "mxfp4" and stack.shape == shape
+    assert "moe_clamped_swiglu[mxfp4]" in {e.capability for e in engine.loaded.ops.explain()}
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert not hasattr(oracle.model.layers[0].mlp.experts, "gate_up_proj_blocks")  # it dequantized them
+    _check_logits(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT))
+    assert _generate(engine) == hf_greedy(oracle)
 
 
 @pytest.mark.slow  # one converter run (a few seconds)

@@ -13,8 +13,9 @@ def _expert_shapes(spec: GptOssSpec) -> dict[str, dict[str, tuple[int, ...]]]:
     """Per expert layout (:data:`~zllm_model_gpt_oss.model.EXPERT_LAYOUTS`), the tensors of one
     layer's experts by name after ``mlp.experts.``."""
     e, n, c = spec.num_experts, spec.intermediate_size, spec.hidden_size
+    gate_up, down = ((e, 2 * n, c), (e, c, n)) if spec.experts_in_rows else ((e, c, 2 * n), (e, n, c))
     return {
-        "fused": {"gate_up_proj": (e, c, 2 * n), "gate_up_proj_bias": (e, 2 * n), "down_proj": (e, n, c),
+        "fused": {"gate_up_proj": gate_up, "gate_up_proj_bias": (e, 2 * n), "down_proj": down,
                   "down_proj_bias": (e, c)},
         "stacked": {"gate_proj.weight": (e, n, c), "up_proj.weight": (e, n, c), "down_proj.weight": (e, c, n),
                     "gate_proj.bias": (e, n), "up_proj.bias": (e, n), "down_proj.bias": (e, c)},

@@ -22,7 +22,8 @@ from zllm.plugin_api import AttentionMetadata, KVCacheSpec, KVLayerSpec, Quantiz
 from zllm_model_gpt_oss.spec import GptOssSpec
 
 #: How a checkpoint stores a layer's experts: transformers' fused ``gate_up_proj [E, C, 2N]``
-#: (gate in the even columns) + ``down_proj [E, N, C]`` (``x @ W``), or GGUF's stacks
+#: (gate in the even columns) + ``down_proj [E, N, C]`` (``x @ W``) — or, quantized, the same
+#: two in row layout ``[E, 2N, C]`` (gate in the even rows) / ``[E, C, N]`` — or GGUF's stacks
 #: ``[E, N, C]`` / ``[E, C, N]`` per projection (``x W^T``; llama.cpp's converter
 #: de-interleaves and transposes).
 EXPERT_LAYOUTS = ("fused", "stacked")
@@ -45,18 +46,29 @@ class Experts:
         """The experts under prefix ``p`` (``model.layers.{i}.mlp.experts.``) in ``layout``.
 
         A fused dense ``gate_up_proj`` is de-interleaved and transposed once here (a copy in its
-        stored dtype); a quantized stack is a ``[E, N, C]`` row layout already and is used as
-        stored."""
+        stored dtype); a fused quantized one (row layout) has its even and odd rows gathered
+        into two stacks that stay in their format; stacks are used as stored."""
         if layout == "stacked":
             return cls(*(w[f"{p}{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj")),
                        *(w[f"{p}{name}.bias"] for name in ("gate_proj", "up_proj", "down_proj")))
-        gate_up, bias = w[p + "gate_up_proj"], w[p + "gate_up_proj_bias"]  # [E, C, 2N], [E, 2N]
-        down = w[p + "down_proj"]  # [E, N, C]
-        assert not isinstance(gate_up, QuantizedTensor), "a quantized fused expert stack has no [E, C, 2N] layout"
+        gate_up, bias, down = w[p + "gate_up_proj"], w[p + "gate_up_proj_bias"], w[p + "down_proj"]  # bias [E, 2N]
+        biases = (bias[:, 0::2].contiguous(), bias[:, 1::2].contiguous(), w[p + "down_proj_bias"])
+        if isinstance(gate_up, QuantizedTensor):  # [E, 2N, C], down [E, C, N]
+            return cls(_row_stack(gate_up, 0), _row_stack(gate_up, 1), down, *biases)
         return cls(gate_up[:, :, 0::2].transpose(1, 2).contiguous(),  # [E, N, C]
                    gate_up[:, :, 1::2].transpose(1, 2).contiguous(),  # [E, N, C]
                    down.transpose(1, 2).contiguous(),  # [E, C, N]
-                   bias[:, 0::2].contiguous(), bias[:, 1::2].contiguous(), w[p + "down_proj_bias"])
+                   *biases)
+
+
+def _row_stack(stack: QuantizedTensor, start: int) -> QuantizedTensor:
+    """Rows ``start, start + 2, ..`` of every expert of a quantized ``[E, R, C]`` stack, as a
+    ``[E, R / 2, C]`` stack in the same format (its parts gathered, never decoded)."""
+    e, r, c = stack.shape
+    ids = torch.arange(start, r, 2)
+    experts = [stack[i].rows(ids) for i in range(e)]
+    parts = {name: torch.stack([x.parts[name] for x in experts]) for name in experts[0].parts}
+    return QuantizedTensor(parts, stack.fmt, (e, len(ids), c), block=experts[0].block)
 
 
 @attrs.frozen

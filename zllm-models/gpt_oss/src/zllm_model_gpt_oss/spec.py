@@ -8,6 +8,12 @@ layers) when null, and YaRN RoPE (factor 32 over 4096 positions, beta 32 / 1, no
 truncation, theta 150000) when ``rope_parameters`` is null. Every expert is ``intermediate_size``
 wide; every layer is a MoE layer of ``num_local_experts`` experts, ``num_experts_per_tok``
 per token.
+
+A checkpoint with a ``quantization_config`` (the released gpt-oss files: MXFP4 experts) has
+its fused expert tensors folded by the weights layer into the weight-format registry's row
+layout, ``[E, rows, in-features]``: ``gate_up_proj [E, 2N, C]`` (the blocks' rows, gate even)
+and ``down_proj [E, C, N]``, where transformers' dense parameters are ``[E, C, 2N]`` and
+``[E, N, C]`` (``x @ W``); :attr:`GptOssSpec.experts_in_rows` says which the model reads.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class GptOssSpec:
     """Dimensions and constants of one gpt-oss model. Units: counts of elements/tokens.
 
     ``layer_windows[i]`` is layer ``i``'s sliding window in tokens, or None for full attention;
+    ``experts_in_rows``: the fused expert tensors are in row layout (a quantized checkpoint);
     ``source`` is the checkpoint, for errors found once the tensor layout is known.
     """
 
@@ -51,6 +58,7 @@ class GptOssSpec:
     experts_per_tok: int
     swiglu_alpha: float
     swiglu_limit: float
+    experts_in_rows: bool = False
     source: str = attrs.field(default="", eq=False)
 
     @property
@@ -133,6 +141,7 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> GptOssSpec:
         experts_per_tok=per_tok,
         swiglu_alpha=number("swiglu_alpha", 1.702),
         swiglu_limit=limit,
+        experts_in_rows=cfg.get("quantization_config") is not None,
         source=source,
     )
 
