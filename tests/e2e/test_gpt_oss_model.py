@@ -1,7 +1,8 @@
 """A gpt-oss checkpoint runs end to end with no special case: chat requests rendered by its
 harmony-style template (the ids transformers' ``apply_chat_template`` gives, the assistant's
 turn ending at ``<|return|>``, the model's EOS), a second turn reusing the first turn's cache
-past the sliding window, and ``zllm run --chat`` / ``--explain`` from the command line."""
+past the sliding window, concurrent chunked requests in batch-invariant mode equal to each
+request alone, and ``zllm run --chat`` / ``--explain`` from the command line."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import transformers
 
 import zllm
 from tests.cli.conftest import ZLLM
+from tests.concurrent_requests import run_together
 from tests.conftest import REPO, write_config
 from tests.gpt_oss_checkpoint import CHAT_TEMPLATE, RETURN_ID, save_gpt_oss
 
@@ -54,6 +56,20 @@ def test_second_turn_reuses_the_first_turns_cache_past_the_window(engine):
     fresh = engine.generate({"prompt_token_ids": engine.prompt_ids(engine.parse({"messages": turns})),
                              "max_tokens": 10, "ignore_eos": True})
     assert second["token_ids"] == fresh["token_ids"]
+
+
+def test_concurrent_chunked_requests_in_batch_invariant_mode_equal_each_request_alone(checkpoint, tmp_path):
+    engine = zllm.Engine.from_config(write_config(
+        tmp_path, checkpoint, runtime={"batch_invariant": True, "max_prefill_tokens": 8, "prefix_cache_seqs": 0}))
+    chosen = {e.capability: e.kernel for e in engine.loaded.ops.explain()}
+    assert all("invariant" in chosen[c] for c in ("attention_sinks[paged]", "router_topk_softmax[f32]",
+                                                  "moe_clamped_swiglu[f32]"))
+    prompts = ["The sea was calm", "Once upon a time there was a lighthouse keeper who", "Waves", "A ship"]
+    reqs = [{"prompt": p, "max_tokens": 12 + 3 * i, "ignore_eos": True} for i, p in enumerate(prompts)]
+    together = run_together(engine, reqs)
+    alone = [engine.generate(r)["token_ids"] for r in reqs]
+    assert together == alone
+    assert [len(t) for t in together] == [r["max_tokens"] for r in reqs]
 
 
 def _run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:

@@ -70,6 +70,10 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention_invariant"),
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
     ("moe", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe:moe_invariant"),
+    ("attention_sinks", ("paged",), f"{_PKG}.attention_sinks:attention_sinks_invariant"),
+    ("swiglu_clamped", ("f32",), f"{_PKG}.moe_biased:swiglu_clamped_invariant"),
+    ("router_topk_softmax", ("f32",), f"{_PKG}.moe_biased:router_topk_softmax_invariant"),
+    ("moe_clamped_swiglu", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe_biased:moe_clamped_swiglu_invariant"),
 ]
 
 #: Native kernels (:mod:`zllm_backend_cpu.kernels.native`), registered at priority 1 when the

@@ -76,3 +76,41 @@ def attention_sinks(
         out[start:start + n_q] = o.transpose(0, 1)
         start += n_q
     return out
+
+
+def attention_sinks_invariant(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    sinks: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Batch-invariant :func:`attention_sinks` (:mod:`.invariant`): every query token attends on
+    its own, as a decode step does, over exactly the keys it sees (no causal mask) plus the
+    sink's zero key, so its numbers do not depend on the batch or on how its prompt was split
+    into chunks. Arguments as :func:`attention_sinks`."""
+    assert window is None or window > 0, window
+    h, d, bs, hkv = write_kv(q, k, v, k_cache, v_cache, meta)
+    assert sinks.shape == (h,), (sinks.shape, h)
+    g = h // hkv
+    out = torch.empty_like(q)  # [T, H, D]
+    start = 0
+    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        assert 0 < n_q <= n_ctx, (n_q, n_ctx)
+        for pos in range(n_ctx - n_q, n_ctx):
+            lo = 0 if window is None else max(0, pos - window + 1)  # first key it sees
+            first, last = lo // bs, pos // bs
+            blocks = meta.block_tables[s, first:last + 1]
+            span = slice(lo - first * bs, pos + 1 - first * bs)
+            ks = F.pad(k_cache[blocks].view(-1, hkv, d)[span].transpose(0, 1).float(), (0, 0, 0, 1))  # [Hkv, L+1, D]
+            vs = F.pad(v_cache[blocks].view(-1, hkv, d)[span].transpose(0, 1).float(), (0, 0, 0, 1))  # [Hkv, L+1, D]
+            n_k = pos + 1 - lo
+            bias = torch.cat([torch.zeros(h, n_k), sinks.float()[:, None]], dim=1).view(hkv, g, n_k + 1)
+            o = F.scaled_dot_product_attention(q[start].view(hkv, g, d), ks, vs, attn_mask=bias,
+                                               scale=meta.scale)  # [Hkv, G, D]
+            out[start] = o.reshape(h, d)
+            start += 1
+    return out

@@ -10,13 +10,22 @@ runs only the selected experts, each over its gathered rows, through the backend
 ``linear`` kernel of the stack's format (a quantized stack's ``[e]`` is that expert's blocks,
 decoded inside the kernel; the stack is never dequantized whole), then sums each token's
 ``k`` rows in ascending expert index, the reference's order.
+
+The batch-invariant kernels (config ``runtime.batch_invariant``, :mod:`.invariant`) route in
+fixed zero-padded tiles of rows, run the experts through the invariant ``linear`` kernels
+and compute the clamped SwiGLU in fixed-shape padded calls (its ``sigmoid`` is
+transcendental: a row's elements must not land in a SIMD vector or a scalar tail depending
+on the batch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from zllm_backend_cpu.kernels.moe import Weight, torch_linear
+from zllm_backend_cpu.kernels import invariant
+from zllm_backend_cpu.kernels.moe import ROUTER_TILE, Linear, Weight, torch_linear, torch_linear_invariant
 
 
 def router_topk_softmax(router_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +49,39 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return up.clamp(min=-limit, max=limit).add_(1.0).mul_(glu)
 
 
+def router_topk_softmax_invariant(router_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-invariant :func:`router_topk_softmax`: rows in fixed zero-padded ``[RT, E]`` tiles."""
+    t, e = router_logits.shape
+    ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k)
+    tile = torch.zeros(ROUTER_TILE, e)
+    for start in range(0, t, ROUTER_TILE):
+        stop = min(t, start + ROUTER_TILE)
+        tile.zero_()
+        tile[:stop - start] = router_logits[start:stop]
+        tile_ids, tile_weights = router_topk_softmax(tile, k)
+        ids[start:stop], weights[start:stop] = tile_ids[:stop - start], tile_weights[:stop - start]
+    return ids, weights
+
+
+def swiglu_clamped_invariant(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """Batch-invariant :func:`swiglu_clamped`: the ``sigmoid`` over rows padded to a multiple of 64
+    in calls of one fixed shape (as ``invariant.silu_mul_invariant``); the rest is exact-rounded
+    elementwise arithmetic."""
+    assert gate.dim() == 2 and gate.dtype == torch.float32 and up.shape == gate.shape, (
+        gate.shape, gate.dtype, up.shape)
+    t, n = gate.shape
+    width = -(-n // invariant._ROW_MULTIPLE) * invariant._ROW_MULTIPLE
+    rows = max(1, invariant._ROW_CALL_ELEMENTS // width)
+    buf = torch.zeros(rows, width)  # [R, N']
+    g = gate.clamp(max=limit)  # [T, N]
+    glu = torch.empty(t, n)
+    for start in range(0, t, rows):
+        stop = min(t, start + rows)
+        buf[:stop - start, :n] = g[start:stop] * alpha
+        glu[start:stop] = torch.sigmoid(buf)[:stop - start, :n]
+    return up.clamp(min=-limit, max=limit).add_(1.0).mul_(glu.mul_(g))
+
+
 def moe_clamped_swiglu(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -57,6 +99,34 @@ def moe_clamped_swiglu(
     ``topk_weights`` f32 ``[T, k]``, ``gate_exps``/``up_exps`` ``[E, N, K]`` and ``down_exps``
     ``[E, K, N]`` dense f32/f16/bf16 or a quantized stack of any CPU format, biases ``[E, N]``,
     ``[E, N]``, ``[E, K]`` -> f32 ``[T, K]``."""
+    return _experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps), (gate_bias, up_bias, down_bias),
+                    alpha, limit, torch_linear, swiglu_clamped)
+
+
+def moe_clamped_swiglu_invariant(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_exps: Weight,
+    up_exps: Weight,
+    down_exps: Weight,
+    gate_bias: torch.Tensor,
+    up_bias: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """Batch-invariant :func:`moe_clamped_swiglu` (module doc); arguments as it."""
+    return _experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps), (gate_bias, up_bias, down_bias),
+                    alpha, limit, torch_linear_invariant, swiglu_clamped_invariant)
+
+
+def _experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             stacks: tuple[Weight, Weight, Weight], biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             alpha: float, limit: float, linear: Linear,
+             swiglu: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]) -> torch.Tensor:
+    gate_exps, up_exps, down_exps = stacks
+    gate_bias, up_bias, down_bias = biases
     assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)
     t, hidden = x.shape
     n_experts, width, k_in = gate_exps.shape
@@ -72,9 +142,9 @@ def moe_clamped_swiglu(
             continue
         pairs = order[start:start + count]  # [n_e], ascending token within the bucket
         xs = x[pairs // top_k]  # [n_e, K]
-        h = swiglu_clamped(torch_linear(xs, gate_exps[expert], gate_bias[expert].float()),
-                           torch_linear(xs, up_exps[expert], up_bias[expert].float()), alpha, limit)  # [n_e, N]
-        y = torch_linear(h, down_exps[expert], down_bias[expert].float())  # [n_e, K]
+        h = swiglu(linear(xs, gate_exps[expert], gate_bias[expert].float()),
+                   linear(xs, up_exps[expert], up_bias[expert].float()), alpha, limit)  # [n_e, N]
+        y = linear(h, down_exps[expert], down_bias[expert].float())  # [n_e, K]
         torch.mul(y, flat_weights[pairs, None], out=weighted[start:start + count])
         start += count
     position = torch.empty_like(order)
