@@ -85,13 +85,17 @@ def test_mxfp4_experts_stay_mxfp4_and_match_transformers_dequantizing_them(tmp_p
     assert _generate(engine) == hf_greedy(oracle)
 
 
-@pytest.mark.slow  # one converter run (a few seconds)
-def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, f32_checkpoint):
-    model, path = f32_checkpoint
-    out = tmp_path / "gpt-oss-f32.gguf"
+def _convert(path, out):
     proc = subprocess.run([sys.executable, str(CONVERTER), str(path), "--outtype", "f32", "--outfile", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow  # one converter run (a few seconds)
+def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, f32_checkpoint):
+    model, path = f32_checkpoint
+    out = _convert(path, tmp_path / "gpt-oss-f32.gguf")
     engine = zllm.Engine.from_config(write_config(tmp_path, out))
     assert engine.loaded.family_info.name == "gpt_oss"
     stacked = engine.loaded.model.layers[0].experts
@@ -135,3 +139,16 @@ def test_a_missing_expert_tensor_is_named(tmp_path, f32_checkpoint):
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ZllmError, match="model.layers.1.mlp.experts.down_proj_bias"):
         zllm.Engine.from_config(write_config(tmp_path, bad))
+
+
+@pytest.mark.slow  # one converter run (a few seconds)
+def test_gguf_with_ggml_mxfp4_experts_matches_transformers_dequantizing_the_checkpoint(tmp_path, f32_checkpoint):
+    """llama.cpp's converter keeps MXFP4 experts MXFP4 (ggml's block layout, nibbles reordered);
+    zllm repacks them at load into the registry's ``mxfp4`` parts, still 4-bit."""
+    path = save_mxfp4_copy(f32_checkpoint[1], tmp_path / "mxfp4")
+    engine = zllm.Engine.from_config(write_config(tmp_path, _convert(path, tmp_path / "gpt-oss-mxfp4.gguf")))
+    gate = engine.loaded.model.layers[0].experts.gate
+    assert isinstance(gate, QuantizedTensor) and gate.fmt == "mxfp4" and gate.shape == (4, 32, 64)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _check_logits(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT))
+    assert _generate(engine) == hf_greedy(oracle)

@@ -8,7 +8,7 @@ Sources (llama.cpp, the sources vendored in ``llama-cpp-python`` 0.3.36):
   ``[E, N, C]``, ``down_proj`` to ``ffn_down_exps [E, C, N]``, each with its ``.bias``; the
   router is ``ffn_gate_inp`` (weight and bias), the sinks ``attn_sinks.weight``,
   ``post_attention_layernorm`` is ``post_attention_norm``; MXFP4 checkpoints keep their
-  experts in ggml's MXFP4 blocks (not read here yet).
+  experts in ggml's MXFP4 blocks (the core's GGUF reader repacks them into ``mxfp4``).
 - ``src/models/openai-moe.cpp`` (``LLM_ARCH_OPENAI_MOE``): sliding-window pattern 2 (even
   layers sliding, odd layers full: transformers' default ``layer_types``), RoPE type NEOX
   (half rotation, HF row order; no Q/K permutation), q/k/v/o biases always present.
