@@ -28,9 +28,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c 
 StateDict = dict[str, torch.Tensor]
 
 
-def is_quantized(name: str) -> bool:
-    """Whether a writer quantizes weight ``name`` (a decoder layer's linear weight)."""
-    return name.endswith(".weight") and name.split(".")[-2] in QUANTIZED
+def is_quantized(name: str, modules: tuple[str, ...] = QUANTIZED) -> bool:
+    """Whether a writer quantizes weight ``name`` (a decoder layer's linear weight named in ``modules``)."""
+    return name.endswith(".weight") and name.split(".")[-2] in modules
 
 
 def pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -60,18 +60,20 @@ def _finish(src: Path, dst: Path, tensors: StateDict, qconfig: dict) -> None:
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = qconfig
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def _rewrite(src: Path, dst: Path, qconfig: dict,
-             quantize: Callable[[str, torch.Tensor, StateDict], torch.Tensor]) -> StateDict:
+             quantize: Callable[[str, torch.Tensor, StateDict], torch.Tensor],
+             modules: tuple[str, ...] = QUANTIZED) -> StateDict:
     """Copy ``src`` to ``dst`` with ``quantize(prefix, w, out)`` storing each quantized weight's
     tensors into ``out`` and returning its dequantized f32 value."""
     dense = load_file(str(src / "model.safetensors"))
     out: StateDict = {}
     deq: StateDict = {}
     for name, t in dense.items():
-        if is_quantized(name):
+        if is_quantized(name, modules):
             deq[name] = quantize(name.removesuffix("weight"), t.float(), out)
         else:
             out[name] = t
@@ -80,7 +82,8 @@ def _rewrite(src: Path, dst: Path, qconfig: dict,
     return deq
 
 
-def write_fp8(src: Path, dst: Path, block: tuple[int, int] | None, naming: str = "transformers") -> StateDict:
+def write_fp8(src: Path, dst: Path, block: tuple[int, int] | None, naming: str = "transformers",
+              modules: tuple[str, ...] = QUANTIZED) -> StateDict:
     """transformers ``fp8``: ``weight`` F8_E4M3 + ``weight_scale_inv`` F32 (``block`` per
     ``weight_block_size``; None = one scale per tensor with a static ``activation_scale``).
     ``naming="autofp8"``: per-tensor ``weight_scale`` + ``input_scale`` as AutoFP8/vLLM write."""
@@ -98,7 +101,7 @@ def write_fp8(src: Path, dst: Path, block: tuple[int, int] | None, naming: str =
 
     qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic" if block else "static",
                "weight_block_size": list(block) if block else None, "modules_to_not_convert": ["lm_head"]}
-    return _rewrite(src, dst, qconfig, quantize)
+    return _rewrite(src, dst, qconfig, quantize, modules)
 
 
 def write_gptq(src: Path, dst: Path, bits: int, group: int, version: str = "gptq", desc_act: bool = False,
@@ -180,8 +183,8 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str) -> StateDict:
     ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
     args, fmt = {
         "w4a16": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32), "pack-quantized"),

@@ -101,3 +101,90 @@ def test_quantized_weights_reach_the_kernels_quantized(tmp_path, dense):
         assert w.fmt == FORMAT_OF[case] and w.shape == (64, 96)
         assert w.nbytes < 64 * 96  # under a byte per weight: never expanded
         assert "model.layers.0.mlp.down_proj.qweight" not in ckpt.tensor_names()
+
+
+@pytest.mark.parametrize("case", ["ct-nvfp4", "gptq-int4"])
+def test_quantized_moe_experts_stay_quantized_and_match_transformers(tmp_path, case):
+    # Qwen2-MoE: per-expert checkpoint tensors folded one by one, then stacked by the family
+    # into [E, N, K] quantized stacks that the moe kernel slices per expert.
+    dense = tmp_path / "dense"
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(15)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(dense)
+    copy_tokenizer(dense)
+    quantized, reference = tmp_path / case, tmp_path / f"{case}-dequantized"
+    qc.write_dense(dense, reference, WRITERS[case](dense, quantized))
+    oracle = transformers.Qwen2MoeForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
+    torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_a_nan_scale_stops_the_engine_before_the_first_token_naming_file_and_tensor(tmp_path, dense):
+    from safetensors.torch import load_file, save_file
+
+    from zllm.spec.errors import TensorError
+
+    quantized = tmp_path / "fp8"
+    qc.write_fp8(dense, quantized, (32, 32))
+    file = quantized / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.layers.1.mlp.up_proj.weight_scale_inv"][1, 0] = float("nan")
+    save_file(tensors, str(file))
+    with pytest.raises(TensorError) as err:
+        zllm.Engine.from_config(write_config(tmp_path, quantized))
+    assert err.value.tensor == "model.layers.1.mlp.up_proj.weight_scale_inv"
+    assert str(file) in str(err.value) and "NaN scale at index [1, 0]" in str(err.value)
+
+
+def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_path):
+    # DeepSeek-V3's FP8 layout on every projection; kv_a_proj_with_mqa has 40 rows here (32 + 8),
+    # so its last 32-row scale block is partial, as the real model's 576-row projection is.
+    dense = tmp_path / "dense"
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=2, topk_group=1,
+        first_k_dense_replace=1, tie_word_embeddings=False,
+    )
+    torch.manual_seed(16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(dense)
+    copy_tokenizer(dense)
+    modules = (*qc.QUANTIZED, "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    quantized, reference = tmp_path / "fp8", tmp_path / "fp8-dequantized"
+    qc.write_dense(dense, reference, qc.write_fp8(dense, quantized, (32, 32), modules=modules))
+    from zllm.weights import open_checkpoint
+
+    kv_a = open_checkpoint(quantized).tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
+    assert kv_a.fmt == "fp8_e4m3" and kv_a.shape == (40, 64) and kv_a.parts["scale"].shape == (2, 2)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
+    torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_explain_names_the_quantization_the_kernels_and_the_unused_activation_scales(tmp_path, dense):
+    from tests.cli.conftest import zllm as run_zllm
+
+    quantized = tmp_path / "fp8-tensor"
+    WRITERS["fp8-tensor"](dense, quantized)
+    proc = run_zllm("run", "--config", write_config(tmp_path, quantized), "--explain", "--max-new-tokens", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "quantization: fp8: 14 weights as fp8_e4m3; the rest dense (kept quantized)" in lines
+    assert any(line.strip().startswith("linear[fp8_e4m3]") for line in lines)
+    skipped = [line for line in lines if line.startswith("skipped tensor: ")]
+    assert len(skipped) == 14 and all(".activation_scale (static activation scale" in s for s in skipped)

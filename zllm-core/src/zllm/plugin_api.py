@@ -38,7 +38,15 @@ from zllm.kernels.registry import KernelRegistry
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from zllm.spec.errors import CheckpointError
 from zllm.spec.tensor_spec import TensorSpec
-from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, FORMATS, QuantizedTensor, WeightFormat, format_of
+from zllm.weights.formats import (
+    BLOCK_LAYOUTS,
+    DTYPE_OF_FORMAT,
+    FORMATS,
+    QuantizedTensor,
+    WeightFormat,
+    format_of,
+    stack_weights,
+)
 from zllm.weights.gguf_maps import REQUIRED, ROPE_ADJACENT_PAIR, ROPE_HALF_ROTATION, ConfigKey, GGUFArchMap
 
 __all__ = [
@@ -85,4 +93,5 @@ __all__ = [
     "rope_params_from_config",
     "router_config_from_hf",
     "select_experts",
+    "stack_weights",
 ]

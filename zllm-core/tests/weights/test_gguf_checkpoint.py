@@ -233,6 +233,22 @@ def test_q4_1_q5_0_q5_1_tensors_are_read_as_their_stored_blocks(tmp_path, qtype)
     assert np.array_equal(w.data.numpy(), blocks)
 
 
+def test_mxfp4_blocks_are_repacked_into_the_mxfp4_layout_and_decode_as_gguf_py(tmp_path):
+    from zllm.domain.quant import dequantize
+
+    tensors = tiny_llama_tensors(np.random.default_rng(5))
+    blocks = gguf.quants.quantize(tensors["blk.0.ffn_up.weight"], gguf.GGMLQuantizationType.MXFP4)  # [64, 17]
+    stored = {**tensors, "blk.0.ffn_up.weight": (blocks, gguf.GGMLQuantizationType.MXFP4)}
+    ckpt = open_checkpoint(write_gguf(tmp_path / "m.gguf", "llama", tiny_llama_kv(), stored))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert ckpt.tensor_shape_format(name) == ((64, 32), "mxfp4")
+    w = ckpt.tensor(name)
+    assert isinstance(w, QuantizedTensor)
+    assert w.parts["qweight"].shape == (64, 16) and w.parts["scales"].shape == (64, 1)
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(dequantize(w), torch.from_numpy(expected))
+
+
 def test_unsupported_gguf_type_names_tensor_type_and_supported(tmp_path):
     tensors = tiny_llama_tensors(np.random.default_rng(3))
     stored = dict(tensors)
@@ -248,7 +264,7 @@ def test_unsupported_gguf_type_names_tensor_type_and_supported(tmp_path):
     with pytest.raises(
         TensorError,
         match=r"stored as GGUF type IQ4_XS .*supported types: "
-        r"F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K",
+        r"F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4",
     ) as e:
         ckpt.tensor(name)
     assert e.value.tensor == name and e.value.file == str(tmp_path / "m.gguf")

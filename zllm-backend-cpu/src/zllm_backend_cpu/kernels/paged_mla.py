@@ -91,7 +91,10 @@ _SPLITS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _version(weight: torch.Tensor | QuantizedTensor) -> int:
-    return (weight.data if isinstance(weight, QuantizedTensor) else weight)._version
+    """A number that changes when the weight (any part of a quantized one) is written in place."""
+    if isinstance(weight, QuantizedTensor):
+        return sum(t._version for t in weight.parts.values())
+    return weight._version
 
 
 def absorbed_weights(

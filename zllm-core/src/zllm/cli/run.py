@@ -152,6 +152,8 @@ def _explain(engine) -> None:
     print(f"backend: {loaded.backend_choice.info.name} — {loaded.backend_choice.reason}", file=out)
     for line in loaded.ops.explain():
         print(f"  {line.capability:<18} -> {line.kernel}  ({line.reason})", file=out)
+    if loaded.checkpoint.quantization is not None:
+        print(f"quantization: {loaded.checkpoint.quantization} (kept quantized)", file=out)
     for name, why in loaded.checkpoint.skipped_tensors.items():
         print(f"skipped tensor: {name} ({why})", file=out)
     spec = engine.config.speculative

@@ -64,6 +64,12 @@ class Checkpoint(abc.ABC):
         """Canonical (HF) names of every tensor in the checkpoint, in file order."""
 
     @property
+    def quantization(self) -> str | None:
+        """One line on how a quantized HF checkpoint's weights were folded (``gptq: 14 weights
+        as int4_g``), for ``--explain``; None for other checkpoints."""
+        return None
+
+    @property
     def skipped_tensors(self) -> dict[str, str]:
         """Tensors the files hold that are no weights, left out of :meth:`tensor_names`:
         name -> why (for ``--explain``). Empty unless a format says otherwise."""

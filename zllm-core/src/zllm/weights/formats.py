@@ -272,7 +272,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
         parts=(Part("qweight", torch.uint8, "[*lead, N, K/2]", ROW),
                Part("scales", torch.uint8, "[*lead, N, K/32]", ROW)),
         part_shapes=_fp4_shapes(32, False), bits=4, reference="zllm.domain.quant_hf:dequantize_mxfp4",
-        columns=("hf-mxfp4", "hf-ct-mxfp4"), fixed_block=(1, 32), column_multiple=32,
+        columns=("hf-mxfp4", "hf-ct-mxfp4", "gguf-MXFP4"), fixed_block=(1, 32), column_multiple=32,
     ),
     WeightFormat(
         name="nvfp4",
@@ -438,3 +438,21 @@ class QuantizedTensor:
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
         """``fn`` applied to every part (placing on a device, cloning), shape and block kept."""
         return self._with({name: fn(t) for name, t in self.parts.items()}, self.shape)
+
+
+def stack_weights(weights: list[torch.Tensor] | list[QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
+    """``E`` weights ``[N, K]`` (per-expert checkpoint tensors) as one ``[E, N, K]`` stack: dense
+    tensors by ``torch.stack``, quantized ones part by part (each part gains the leading ``E``).
+
+    Raises:
+        ValueError: the weights differ in format, shape or block (names what differs).
+    """
+    first = weights[0]
+    if not isinstance(first, QuantizedTensor):
+        return torch.stack(weights)  # type: ignore[arg-type]
+    quantized = [w for w in weights if isinstance(w, QuantizedTensor)]
+    kinds = {(w.fmt, w.shape, w.block_shape, tuple(sorted(w.parts))) for w in quantized}
+    if len(quantized) != len(weights) or len(kinds) != 1:
+        raise ValueError(f"cannot stack weights of different formats, shapes or blocks: {sorted(map(str, kinds))}")
+    parts = {name: torch.stack([w.parts[name] for w in quantized]) for name in first.parts}
+    return QuantizedTensor(parts, first.fmt, (len(quantized), *first.shape), block=first.block)

@@ -33,34 +33,31 @@ from zllm.weights.gguf_maps import (
 )
 
 # GGML tensor type → zllm format. Other types are reported by name and refused by tensor().
-# The block formats are the registry's GGUF layouts, named as gguf-py's enum names them;
-# ggml's MXFP4 blocks are repacked once at load into the registry's ``mxfp4`` parts
-# (:func:`mxfp4_from_ggml`).
+# The block formats are the registry's GGUF layouts, named as gguf-py's enum names them.
 GGUF_FORMATS: dict[GGMLQuantizationType, str] = {
     GGMLQuantizationType.F32: "f32",
     GGMLQuantizationType.F16: "f16",
     GGMLQuantizationType.BF16: "bf16",
     **{GGMLQuantizationType[name.upper()]: name for name in BLOCK_LAYOUTS},
-    GGMLQuantizationType.MXFP4: "mxfp4",
+    GGMLQuantizationType.MXFP4: "mxfp4",  # repacked at load: see _mxfp4_from_gguf
 }
 
 
-def mxfp4_from_ggml(data: torch.Tensor, shape: tuple[int, ...]) -> QuantizedTensor:
-    """ggml's MXFP4 blocks as the registry's ``mxfp4`` weight of logical ``shape`` ``(*lead, N, K)``.
+def _mxfp4_from_gguf(data: torch.Tensor, shape: tuple[int, ...]) -> QuantizedTensor:
+    """GGUF MXFP4 blocks -> the ``mxfp4`` kernel layout, once at load (no f32).
 
-    ggml (``ggml-common.h`` ``block_mxfp4``): 17 bytes per 32 weights, an E8M0 exponent ``e``
-    then 16 bytes ``qs`` whose byte ``j`` holds weight ``j`` in its low nibble and weight
-    ``j + 16`` in its high nibble; the 4-bit codes are E2M1 (``kvalues_mxfp4`` are the E2M1
-    values doubled, scaled by ``2^(e - 127) / 2``). The registry's layout keeps ``e`` as the
-    block's scale byte and packs the codes in column order (low nibble = even column): the
-    same bytes, reordered once at load, never decoded.
+    ggml ``block_mxfp4`` (``ggml-common.h``): 17 bytes per 32 weights, an E8M0 exponent ``e``
+    then ``qs[16]``, byte ``j`` holding weight ``j`` (low nibble) and weight ``j + 16`` (high
+    nibble) as E2M1 codes; ``w = e2m1 * 2^(e - 127)`` (gguf-py's doubled values times
+    ``2^(e - 128)``). The kernel layout keeps the exponents apart and pairs columns
+    ``(2j, 2j + 1)`` in a byte.
     """
-    *lead, n, k = shape
-    blocks = data.reshape(*lead, n, k // 32, 17)
-    qs = blocks[..., 1:]  # [..., K/32, 16]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [..., K/32, 32]: weight order within the block
-    qweight = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(*lead, n, k // 2)
-    return QuantizedTensor({"qweight": qweight.contiguous(), "scales": blocks[..., 0].contiguous()}, "mxfp4", shape)
+    *lead, rows, cols = shape
+    blocks = data.reshape(*lead, rows, cols // 32, 17)  # [*lead, rows, K/32, 17]
+    qs = blocks[..., 1:]  # [*lead, rows, K/32, 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [*lead, rows, K/32, 32]: weight order
+    qweight = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(*lead, rows, cols // 2)
+    return QuantizedTensor({"qweight": qweight, "scales": blocks[..., 0].contiguous()}, "mxfp4", shape)
 
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -285,8 +282,8 @@ class GGUFCheckpoint(Checkpoint):
         shape, fmt = self.tensor_shape_format(name)
         data = torch.from_numpy(t.data)  # shares the copy-on-write mapping
         weight: torch.Tensor | QuantizedTensor
-        if t.tensor_type == GGMLQuantizationType.MXFP4 and len(shape) >= 2:
-            weight = mxfp4_from_ggml(data, shape)
+        if fmt == "mxfp4":
+            weight = _mxfp4_from_gguf(data, shape)
         elif fmt in BLOCK_LAYOUTS:
             if len(shape) < 2:
                 raise TensorError(

@@ -37,6 +37,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+MODELOPT_CONFIG_FILE = "hf_quant_config.json"  # NVIDIA modelopt's exports before quantization_config
 
 # safetensors dtype name → zllm format; other stored dtypes are rejected when used.
 SAFETENSORS_FORMATS: dict[str, str] = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -181,9 +182,15 @@ class HFCheckpoint(Checkpoint):
                 raise CheckpointError(str(shard), f"cannot open safetensors file: {e}") from e
         self._quant: QuantPlan | None = None
         self._names = list(self._entries)
-        if "quantization_config" in self._config:
-            self._quant = plan_quantization(config_file, self._config["quantization_config"], self._entries,
-                                            self._read)
+        qconfig_file, qconfig = config_file, self._config.get("quantization_config")
+        if qconfig is None and (path / MODELOPT_CONFIG_FILE).is_file():
+            qconfig_file = path / MODELOPT_CONFIG_FILE
+            modelopt = _read_json(qconfig_file).get("quantization")
+            if not isinstance(modelopt, dict):
+                raise CheckpointError(str(qconfig_file), "no 'quantization' object")
+            qconfig = {"quant_method": "modelopt", **modelopt}
+        if qconfig is not None:
+            self._quant = plan_quantization(qconfig_file, qconfig, self._entries, self._read)
             self._skipped.update(self._quant.skipped)
             consumed = self._quant.consumed
             self._names = [consumed.get(n, n) for n in self._entries if n not in self._quant.skipped
@@ -226,7 +233,7 @@ class HFCheckpoint(Checkpoint):
 
     @property
     def files(self) -> list[Path]:
-        names = [CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
+        names = [CONFIG_FILE, GENERATION_CONFIG_FILE, MODELOPT_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
         files = [self.path / n for n in names if (self.path / n).is_file()]
         files += [f for _, f in self._chat_template_files()]
         if self._index is not None:
@@ -271,6 +278,16 @@ class HFCheckpoint(Checkpoint):
         """Canonical names in file order; a quantized weight's parts appear as its one logical
         name (:mod:`zllm.weights.hf_quant`), where its first part is."""
         return list(self._names)
+
+    @property
+    def quantization(self) -> str | None:
+        if self._quant is None:
+            return None
+        counts: dict[str, int] = {}
+        for fold in self._quant.folds.values():
+            counts[fold.fmt] = counts.get(fold.fmt, 0) + 1
+        kinds = ", ".join(f"{n} weight{'s' * (n != 1)} as {fmt}" for fmt, n in counts.items()) or "no quantized weights"
+        return f"{self._quant.method}: {kinds}; the rest dense"
 
     @property
     def skipped_tensors(self) -> dict[str, str]:

@@ -143,9 +143,6 @@ class _Ctx:
         entry = self.entries.get(name)
         return TensorError(str(entry.file if entry is not None else self.config_file), name, message)
 
-    def get(self, name: str) -> Stored | None:
-        return self.entries.get(name)
-
     def need(self, name: str, of: str, what: str) -> Stored:
         """Tensor ``name``, part of ``of``; a TensorError on ``of`` when it is missing."""
         entry = self.entries.get(name)
@@ -202,7 +199,8 @@ def _scale_f32(ctx: _Ctx, name: str, t: torch.Tensor, e8m0: bool) -> torch.Tenso
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 ``[..., W]`` packed little-endian, value ``i`` at bits ``bits * i`` -> uint8
     ``[..., W * 32 / bits]`` (4 or 8 bits)."""
-    data = words.contiguous().view(torch.uint8)  # [..., 4W]: little-endian bytes
+    # [..., 4W]: little-endian bytes (through 1-D: a size-1 dimension can keep odd strides)
+    data = words.reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], -1)
     if bits == 8:
         return data
     return torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2)
@@ -369,7 +367,8 @@ def _ct_group_of(ctx: _Ctx, groups: list[_CtGroup], module: str) -> _CtGroup:
     raise ctx.error(module + ".weight", "quantized tensors, but no config group targets this module")
 
 
-def _ct_args(ctx: _Ctx, group: _CtGroup, module: str) -> tuple[int, str, str, bool, int | None]:
+def _ct_args(group: _CtGroup) -> tuple[int, str, str, bool, int | None]:
+    """``(num_bits, type, strategy, symmetric, group_size)`` of a config group's weights."""
     w = group.weights
     bits, kind = w.get("num_bits"), w.get("type")
     strategy, symmetric, group_size = w.get("strategy"), bool(w.get("symmetric", True)), w.get("group_size")
@@ -381,7 +380,9 @@ def _ct_float(ctx: _Ctx, prefix: str, group: _CtGroup) -> None:
     entry = ctx.entries[name]
     ctx.need(scale, name, "FP8 scale")
     ctx.expect(scale, _FLOAT_SCALE_DTYPES, None, "FP8 scale")
-    bits, kind, strategy, _, group_size = _ct_args(ctx, group, prefix)
+    bits, kind, strategy, _, group_size = _ct_args(group)
+    if kind != "float" or bits != 8:
+        raise ctx.config_error(f"float-quantized {kind} with {bits} bits is not supported (float with 8 bits is)")
     blocks: list[tuple[int, int]] = []
     if strategy == "block":
         bs = group.weights.get("block_structure")
@@ -397,12 +398,12 @@ def _ct_float(ctx: _Ctx, prefix: str, group: _CtGroup) -> None:
 
 def _ct_pack(ctx: _Ctx, prefix: str, group: _CtGroup) -> None:
     packed, logical = prefix + "weight_packed", prefix + "weight"
-    bits, kind, strategy, symmetric, group_size = _ct_args(ctx, group, prefix)
+    bits, kind, strategy, symmetric, group_size = _ct_args(group)
     if kind != "int" or bits not in (4, 8):
         raise ctx.config_error(f"pack-quantized {kind} with {bits} bits is not supported (int with 4 or 8 bits is)")
     shape_name = prefix + "weight_shape"
     ctx.need(shape_name, packed, "the logical shape")
-    ctx.expect(shape_name, ("I64", "I32"), ((2,)), "weight_shape")
+    ctx.expect(shape_name, ("I64", "I32"), (2,), "weight_shape")
     n, k = (int(v) for v in ctx.read(shape_name).tolist())
     ctx.expect(packed, ("I32",), None, "packed weight")
     if ctx.entries[packed].shape != (n, _ceil(k * bits, 32)):
@@ -430,8 +431,6 @@ def _ct_pack(ctx: _Ctx, prefix: str, group: _CtGroup) -> None:
     offset = 1 << (bits - 1)
 
     def build(read: Reader) -> QuantizedTensor:
-        if [int(v) for v in read(shape_name).tolist()] != [n, k]:
-            raise ctx.error(shape_name, "changed since the checkpoint was opened")
         q = _unpack_words(read(packed), bits)[:, :k]  # [N, K] unsigned: value + offset
         scales = _no_nan(ctx, prefix + "weight_scale", read(prefix + "weight_scale").float())
         if symmetric:
@@ -447,10 +446,14 @@ def _ct_pack(ctx: _Ctx, prefix: str, group: _CtGroup) -> None:
 
 def _ct_fp4(ctx: _Ctx, prefix: str, group: _CtGroup, fmt: str) -> None:
     packed, logical, scale = prefix + "weight_packed", prefix + "weight", prefix + "weight_scale"
-    bits, kind, _, _, group_size = _ct_args(ctx, group, prefix)
+    bits, kind, _, _, group_size = _ct_args(group)
+    gs = 16 if fmt == "nvfp4" else 32
+    if kind != "float" or bits != 4 or group_size != gs:
+        raise ctx.config_error(f"{fmt}-pack-quantized needs float weights of 4 bits in groups of {gs}; "
+                               f"config says {kind} with {bits} bits in groups of {group_size}")
     entry = ctx.expect(packed, ("U8",), None, "packed FP4 weight")
     *lead, n, half = entry.shape
-    k, gs = 2 * half, (16 if fmt == "nvfp4" else 32)
+    k = 2 * half
     ctx.need(scale, packed, "block scale")
     ctx.expect(scale, ("F8_E4M3",) if fmt == "nvfp4" else _E8M0_DTYPES, (*lead, n, k // gs), "block scale")
     if k % gs:
@@ -633,7 +636,7 @@ def _plan_mxfp4(ctx: _Ctx) -> None:
         if not name.endswith("_blocks"):
             continue
         logical = name.removesuffix("_blocks")
-        scales = ctx.need(logical + "_scales", name, "E8M0 scales")
+        ctx.need(logical + "_scales", name, "E8M0 scales")
         ctx.expect(name, ("U8",), None, "MXFP4 blocks")
         if len(entry.shape) < 3 or entry.shape[-1] != 16:
             raise ctx.error(name, f"MXFP4 blocks of shape {list(entry.shape)}; expected [..., rows, K/32, 16]")
@@ -649,7 +652,6 @@ def _plan_mxfp4(ctx: _Ctx) -> None:
             q = read(name).reshape(*shape[:-1], shape[-1] // 2)
             return QuantizedTensor({"qweight": q, "scales": s}, "mxfp4", shape)
 
-        del scales
         ctx.add(Fold(logical, "mxfp4", shape, None, (name, logical + "_scales"), build))
 
 

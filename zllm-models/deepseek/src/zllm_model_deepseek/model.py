@@ -27,6 +27,7 @@ from zllm.plugin_api import (
     SharedExperts,
     dequantize,
     rope_inv_freq,
+    stack_weights,
 )
 from zllm_model_deepseek.mtp import DeepseekMtp, mtp_weights
 from zllm_model_deepseek.spec import DeepseekSpec
@@ -88,7 +89,7 @@ def _experts(w: dict[str, Any], p: str, spec: DeepseekSpec, proj: str) -> Any:
     """The ``[E, ., .]`` stack of one expert projection, stacked once from per-expert tensors."""
     if spec.experts_stacked:
         return w[f"{p}mlp.experts.{proj}"]
-    return torch.stack([w[f"{p}mlp.experts.{e}.{proj}.weight"] for e in range(spec.num_experts)])
+    return stack_weights([w[f"{p}mlp.experts.{e}.{proj}.weight"] for e in range(spec.num_experts)])
 
 
 def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:

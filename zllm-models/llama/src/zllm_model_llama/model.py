@@ -17,10 +17,10 @@ from zllm.plugin_api import (
     AttentionMetadata,
     KVCacheSpec,
     KVLayerSpec,
-    QuantizedTensor,
     RopeTable,
     SharedExperts,
     rope_inv_freq,
+    stack_weights,
 )
 from zllm_model_llama.spec import LlamaSpec, MoeSpec
 
@@ -43,7 +43,7 @@ class MoeLayer:
         views, stacks are used as stored."""
         gate, up, down = moe.expert_names
         if layout == "per_expert":
-            stacks = [_stack([w[f"{p}experts.{e}.{name}.weight"] for e in range(moe.num_experts)])
+            stacks = [stack_weights([w[f"{p}experts.{e}.{name}.weight"] for e in range(moe.num_experts)])
                       for name in (gate, up, down)]
         elif layout == "fused":
             gate_up = w[p + "experts.gate_up_proj"]  # [E, 2N, C]: gate rows, then up rows
@@ -57,14 +57,6 @@ class MoeLayer:
                                    w[p + "shared_expert.down_proj.weight"], w[p + "shared_expert_gate.weight"])
         gate_exps, up_exps, down_exps = stacks
         return cls(w[p + "gate.weight"], gate_exps, up_exps, down_exps, shared=shared)
-
-
-def _stack(experts: list[Any]) -> Any:
-    """``E`` weights ``[N, C]`` as one ``[E, N, C]`` stack (a quantized one over their blocks)."""
-    if isinstance(experts[0], QuantizedTensor):
-        return QuantizedTensor(torch.stack([x.data for x in experts]), experts[0].fmt,
-                               (len(experts), *experts[0].shape))
-    return torch.stack(experts)
 
 
 @attrs.frozen

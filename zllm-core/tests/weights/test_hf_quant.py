@@ -1,0 +1,202 @@
+"""Folding a quantized HF checkpoint's tensors into one logical weight: hand-built packed words
+whose bit layout is spelled out (GPTQ, AWQ, compressed-tensors pack-quantized: no library
+decodes them on a CPU), what the checkpoint lists, and bad input named before the first token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from zllm.domain.quant import dequantize
+from zllm.spec.errors import CheckpointError, TensorError
+from zllm.spec.tensor_spec import TensorSpec
+from zllm.weights import load_weights, open_checkpoint
+
+N = K = 8  # one 32-bit word of 4-bit values along either dimension
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], qconfig: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qconfig}))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def _word(nibbles: list[int]) -> int:
+    """Eight 4-bit values, value ``i`` at bits ``4i`` of a little-endian int32 (as a signed int)."""
+    w = sum(v << (4 * i) for i, v in enumerate(nibbles))
+    return w - (1 << 32) if w >= 1 << 31 else w
+
+
+Q = [[(3 * n + k) % 16 for k in range(K)] for n in range(N)]  # q[n][k], unsigned 4-bit
+Z = [n + 1 for n in range(N)]  # zero point of row n (one group of K = 8)
+S = [0.5 + n / 8 for n in range(N)]  # scale of row n (exact in f16)
+EXPECTED = torch.tensor([[S[n] * (Q[n][k] - Z[n]) for k in range(K)] for n in range(N)])
+
+
+def _gptq_tensors(version: str) -> dict[str, torch.Tensor]:
+    # qweight [K/8, N]: word [0, n] packs column n's 8 values along K: q[n][k] at bits 4k.
+    qweight = torch.tensor([[_word(Q[n]) for n in range(N)]], dtype=torch.int32)
+    # qzeros [K/g, N/8]: one word packs the 8 rows' zero points along N; v1 stores z - 1.
+    stored = [z - 1 for z in Z] if version == "gptq" else Z
+    return {"m.qweight": qweight, "m.qzeros": torch.tensor([[_word(stored)]], dtype=torch.int32),
+            "m.scales": torch.tensor([S], dtype=torch.float16), "m.g_idx": torch.zeros(K, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("version", ["gptq", "gptq_v2"])
+def test_gptq_words_unpack_to_scale_times_q_minus_zero(tmp_path, version):
+    ckpt = open_checkpoint(_write(tmp_path, _gptq_tensors(version), {
+        "quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": False, "sym": False,
+        "checkpoint_format": version}))
+    assert ckpt.tensor_names() == ["m.weight"]
+    assert ckpt.quantization == "gptq: 1 weight as int4_g; the rest dense"
+    assert ckpt.tensor_shape_format("m.weight") == ((N, K), "int4_g")
+    w = ckpt.tensor("m.weight")
+    assert torch.equal(dequantize(w), EXPECTED)
+    assert w.nbytes == ckpt.tensor_nbytes("m.weight") == N * K // 2 + N * 4 + N  # qweight + f32 scales + u8 zeros
+
+
+def test_gptq_act_order_g_idx_becomes_a_column_permutation(tmp_path):
+    # desc_act: K = 8 columns in groups of 4 by g_idx; columns 1, 3, 5, 7 form group 0.
+    g_idx = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.int32)
+    scales = torch.tensor([[1.0] * N, [2.0] * N], dtype=torch.float16)  # [K/g, N]: group 1 doubles
+    zeros = torch.tensor([[_word([8] * N)], [_word([8] * N)]], dtype=torch.int32)  # v2: z = 8
+    tensors = {"m.qweight": torch.tensor([[_word(Q[n]) for n in range(N)]], dtype=torch.int32),
+               "m.qzeros": zeros, "m.scales": scales, "m.g_idx": g_idx}
+    ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": 4,
+                                                      "desc_act": True, "checkpoint_format": "gptq_v2"}))
+    w = ckpt.tensor("m.weight")
+    assert w.parts["perm"].tolist() == [1, 3, 5, 7, 0, 2, 4, 6]  # stored column j is logical column perm[j]
+    expected = torch.tensor([[(2.0 if g_idx[k] else 1.0) * (Q[n][k] - 8) for k in range(K)] for n in range(N)])
+    assert torch.equal(dequantize(w), expected)
+
+
+def test_awq_interleaved_words_unpack_in_logical_column_order(tmp_path):
+    # AWQ packs along N: nibble i of word [k, 0] holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i].
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    qweight = torch.tensor([[_word([Q[order[i]][k] for i in range(8)])] for k in range(K)], dtype=torch.int32)
+    qzeros = torch.tensor([[_word([Z[order[i]] for i in range(8)])]], dtype=torch.int32)
+    ckpt = open_checkpoint(_write(tmp_path, {"m.qweight": qweight, "m.qzeros": qzeros,
+                                             "m.scales": torch.tensor([S], dtype=torch.float16)},
+                                  {"quant_method": "awq", "bits": 4, "group_size": K, "version": "gemm",
+                                   "zero_point": True}))
+    assert torch.equal(dequantize(ckpt.tensor("m.weight")), EXPECTED)
+
+
+def test_compressed_tensors_pack_quantized_words_and_row_packed_zero_points(tmp_path):
+    # weight_packed [N, K/8]: row n's 8 values along K, stored as value + 8 (here q - 8 + 8 = q);
+    # weight_zero_point [ceil(N/8), K/g]: one word holds the 8 rows' zero points (+ 8), packed along N.
+    tensors = {"m.weight_packed": torch.tensor([[_word(Q[n])] for n in range(N)], dtype=torch.int32),
+               "m.weight_shape": torch.tensor([N, K]),
+               "m.weight_scale": torch.tensor(S).reshape(N, 1),
+               "m.weight_zero_point": torch.tensor([[_word(Z)]], dtype=torch.int32)}
+    qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                           "strategy": "group", "group_size": K}}}}
+    w = open_checkpoint(_write(tmp_path, tensors, qconfig)).tensor("m.weight")
+    assert torch.equal(dequantize(w), EXPECTED)
+
+
+def test_activation_scales_are_skipped_with_the_reason_and_strays_stay_unused(tmp_path):
+    q = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
+    path = _write(tmp_path, {"a.weight": q, "a.weight_scale": torch.tensor(1.0), "a.input_scale": torch.tensor(1.0),
+                             "b.weight_scale_inv": torch.ones(1, 1)}, {"quant_method": "fp8"})
+    ckpt = open_checkpoint(path)
+    assert "a.input_scale" in ckpt.skipped_tensors and "f32 activations" in ckpt.skipped_tensors["a.input_scale"]
+    assert sorted(ckpt.tensor_names()) == ["a.weight", "b.weight_scale_inv"]
+    with pytest.raises(TensorError, match="'b.weight_scale_inv': unused"):
+        load_weights(ckpt, {"a.weight": TensorSpec((4, 32))})
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def _gptq(tmp_path: Path, drop: str | None = None, **changes) -> Path:
+    tensors = _gptq_tensors("gptq_v2")
+    if drop:
+        del tensors[drop]
+    tensors.update(changes.pop("tensors", {}))
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": K, "checkpoint_format": "gptq_v2", **changes}
+    return _write(tmp_path, tensors, qconfig)
+
+
+@pytest.mark.parametrize(("qconfig", "named"), [
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported; supported: fp8, "),
+    ({"quant_method": "fbgemm_fp8"}, "'fbgemm_fp8'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "weird": 1}, "unknown field 'weird'"),
+    ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version 'exllama' is not supported; supported: gemm"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"}}}},
+     "format 'int-quantized' (config_groups.g) is not supported; supported: float-quantized, pack-quantized"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
+     "quant_algo 'W4A8_AWQ' is not supported; supported: NVFP4"),
+])
+def test_unknown_method_format_or_field_names_it_and_lists_what_is_supported(tmp_path, qconfig, named):
+    path = _write(tmp_path, {"x.weight": torch.zeros(2, 2)}, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(path / "config.json") in str(err.value) and named in str(err.value)
+
+
+@pytest.mark.parametrize(("build", "tensor", "what"), [
+    (lambda p: _gptq(p, drop="m.qzeros"), "m.qweight", "qzeros 'm.qzeros' is missing"),
+    (lambda p: _gptq(p, tensors={"m.scales": torch.ones(1, 4, dtype=torch.float16)}), "m.scales",
+     "shape [1, 4]; expected [1, 8]"),
+    (lambda p: _gptq(p, tensors={"m.g_idx": torch.zeros(6, dtype=torch.int32)}), "m.g_idx", "expected [8]"),
+    (lambda p: _gptq(p, group_size=3), "m.qweight", "group size 3 does not divide K = 8"),
+    (lambda p: _write(p, {"m.weight": torch.zeros(4, 32, dtype=torch.float8_e4m3fn)},
+                      {"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "m.weight", "FP8 weight with no scale"),
+    (lambda p: _write(p, {"m.weight": torch.zeros(4, 32, dtype=torch.float8_e4m3fn),
+                          "m.weight_scale_inv": torch.ones(2, 2)},
+                      {"quant_method": "fp8", "weight_block_size": [2, 8]}),
+     "m.weight_scale_inv", "scale shape [2, 2] fits neither"),
+    (lambda p: _write(p, {"m.weight_packed": torch.zeros(8, 2, dtype=torch.int32),
+                          "m.weight_shape": torch.tensor([8, 8]), "m.weight_scale": torch.ones(8, 1)},
+                      {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+                          "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}}),
+     "m.weight_packed", "packed shape [8, 2] disagrees with weight_shape [8, 8]"),
+])
+def test_bad_quantized_tensors_name_the_file_the_tensor_and_the_problem(tmp_path, build, tensor, what):
+    path = build(tmp_path)
+    with pytest.raises(TensorError) as err:
+        open_checkpoint(path)
+    assert err.value.tensor == tensor and str(path / "model.safetensors") in str(err.value) and what in str(err.value)
+
+
+def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
+    tensors = _gptq_tensors("gptq_v2")
+    tensors["m.scales"][0, 3] = float("nan")
+    ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": K,
+                                                      "checkpoint_format": "gptq_v2"}))
+    with pytest.raises(TensorError, match=r"'m.scales': NaN scale at index \[3, 0\]"):
+        load_weights(ckpt, {"m.weight": TensorSpec((N, K))})
+
+
+def test_modelopt_export_without_quantization_config_reads_hf_quant_config(tmp_path):
+    # Older modelopt exports keep the recipe in hf_quant_config.json, not in config.json.
+    packed = torch.full((2, 8), 0x72, dtype=torch.uint8)  # codes 2 (1.0) low, 7 (6.0) high
+    path = _write(tmp_path, {"m.weight": packed, "m.weight_scale": torch.full((2, 1), 0x38, dtype=torch.uint8).view(
+        torch.float8_e4m3fn), "m.weight_scale_2": torch.tensor(0.5), "m.input_scale": torch.tensor(1.0)}, {})
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+    ckpt = open_checkpoint(path)
+    assert path / "hf_quant_config.json" in ckpt.files
+    assert dequantize(ckpt.tensor("m.weight")).tolist() == [[0.5, 3.0] * 8] * 2
+
+
+def test_gptq_v1_8_bit_zero_point_255_is_refused_naming_qzeros(tmp_path):
+    # 8 bits: four values per word. v1 stores z - 1, so a stored 255 means z = 256: no 8-bit value.
+    tensors = {"m.qweight": torch.tensor([[0x04030201] * 4], dtype=torch.int32),  # [K/4, N]: K = 4
+               "m.qzeros": torch.tensor([[0x7F7F7FFF]], dtype=torch.int32),  # zeros 255, 127, 127, 127
+               "m.scales": torch.ones(1, 4, dtype=torch.float16)}
+    ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 8, "group_size": 4,
+                                                      "checkpoint_format": "gptq"}))
+    with pytest.raises(TensorError, match=r"'m.qzeros': a GPTQ v1 zero point of 255 \+ 1 does not fit 8 bits"):
+        ckpt.tensor("m.weight")
