@@ -44,7 +44,8 @@ def test_sink_softmax_equals_transformers_gpt_oss_eager_attention(window, n_q):
 
 def test_a_very_negative_sink_is_plain_attention_and_a_large_one_silences_the_head():
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(6, H, D, generator=g), torch.randn(9, HKV, D, generator=g), torch.randn(9, HKV, D, generator=g)
+    q = torch.randn(6, H, D, generator=g)
+    k, v = torch.randn(9, HKV, D, generator=g), torch.randn(9, HKV, D, generator=g)
     plain = causal_softmax_attention(q, k, v, 0.3)
     torch.testing.assert_close(sink_softmax_attention(q, k, v, torch.full((H,), -1e4), 0.3), plain)
     loud = sink_softmax_attention(q, k, v, torch.tensor([1e4, -1e4, -1e4, -1e4]), 0.3)
@@ -55,7 +56,8 @@ def test_a_very_negative_sink_is_plain_attention_and_a_large_one_silences_the_he
 def test_paged_prefill_and_token_by_token_decode_equal_the_dense_form(window):
     g = torch.Generator().manual_seed(7)
     n, bs = 19, 4
-    q, k, v = torch.randn(n, H, D, generator=g), torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+    q = torch.randn(n, H, D, generator=g)
+    k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
     sinks = torch.randn(H, generator=g)
     blocks = torch.randperm(8, generator=g)[: -(-n // bs)]  # this sequence's blocks, in random order
     table = torch.cat([blocks, torch.tensor([-1])])[None]  # [1, MB]
