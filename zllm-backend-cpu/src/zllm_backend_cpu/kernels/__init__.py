@@ -89,6 +89,7 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
     ("mla_attention", ("paged",), f"{_PKG}.paged_mla:mla_attention"),
     ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv"),
+    ("moe_clamped_swiglu", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_clamped_swiglu_gemv"),
 ]
 
 #: Ops of :data:`NATIVE_KERNELS` whose kernels are batch-invariant (each row alone, in a fixed

@@ -99,7 +99,7 @@ def moe_clamped_swiglu(
     ``topk_weights`` f32 ``[T, k]``, ``gate_exps``/``up_exps`` ``[E, N, K]`` and ``down_exps``
     ``[E, K, N]`` dense f32/f16/bf16 or a quantized stack of any CPU format, biases ``[E, N]``,
     ``[E, N]``, ``[E, K]`` -> f32 ``[T, K]``."""
-    return _experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps), (gate_bias, up_bias, down_bias),
+    return run_experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps), (gate_bias, up_bias, down_bias),
                     alpha, limit, torch_linear, swiglu_clamped)
 
 
@@ -117,14 +117,16 @@ def moe_clamped_swiglu_invariant(
     limit: float,
 ) -> torch.Tensor:
     """Batch-invariant :func:`moe_clamped_swiglu` (module doc); arguments as it."""
-    return _experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps), (gate_bias, up_bias, down_bias),
+    return run_experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps), (gate_bias, up_bias, down_bias),
                     alpha, limit, torch_linear_invariant, swiglu_clamped_invariant)
 
 
-def _experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+def run_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              stacks: tuple[Weight, Weight, Weight], biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
              alpha: float, limit: float, linear: Linear,
              swiglu: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]) -> torch.Tensor:
+    """The expert FFN (module doc) with ``linear`` (a ``linear`` kernel: ``(x, weight, bias)``) for
+    every projection and ``swiglu`` (a ``swiglu_clamped`` kernel) between them."""
     gate_exps, up_exps, down_exps = stacks
     gate_bias, up_bias, down_bias = biases
     assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)

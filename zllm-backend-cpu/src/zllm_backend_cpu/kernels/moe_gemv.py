@@ -1,5 +1,6 @@
-"""``moe`` with the experts' rows through the native GEMV kernels (:mod:`.gemv`) and the native
-``silu_mul`` (:mod:`.elementwise`); the algorithm is :mod:`.moe`'s.
+"""``moe`` (and gpt-oss's ``moe_clamped_swiglu``) with the experts' rows through the native GEMV
+kernels (:mod:`.gemv`) and the native ``silu_mul`` (:mod:`.elementwise`); the algorithms are
+:mod:`.moe`'s and :mod:`.moe_biased`'s.
 
 Dimension legend as in :mod:`.moe`.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zllm.plugin_api import format_of
-from zllm_backend_cpu.kernels import elementwise, gemv
+from zllm_backend_cpu.kernels import elementwise, gemv, moe_biased
 from zllm_backend_cpu.kernels.moe import Linear, Weight, moe_kernel, torch_linear, torch_linear_invariant
 
 
@@ -46,3 +47,13 @@ moe_gemv_invariant = moe_kernel(
     row count), the invariant torch ``linear`` for k-quants, the native ``silu_mul`` (each row
     alone), tiled router and gate; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`.""",
 )
+
+
+def moe_clamped_swiglu_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_exps: Weight,
+                            up_exps: Weight, down_exps: Weight, gate_bias: torch.Tensor, up_bias: torch.Tensor,
+                            down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """:func:`~zllm_backend_cpu.kernels.moe_biased.moe_clamped_swiglu` with each bucket of up to 16
+    rows through the native GEMV (one read of the expert's weights), larger ones and the formats
+    the GEMV does not have through the torch kernels; arguments as it."""
+    return moe_biased.run_experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps),
+                                  (gate_bias, up_bias, down_bias), alpha, limit, _LINEAR, moe_biased.swiglu_clamped)
