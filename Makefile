@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 TRITON_PIN := triton==3.7.1
 # What `make run` needs: the core, the CPU backend and the model families (no Triton).
-DISTS := zllm-core zllm-backend-cpu zllm-models/llama zllm-models/deepseek
+DISTS := zllm-core zllm-backend-cpu zllm-models/llama zllm-models/deepseek zllm-models/gpt_oss
 # The GPU backends and their kernel libraries: installed for the suite, which runs the Triton
 # kernels in Triton's interpreter and checks every backend's plugin contract without a device.
 GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backend-rocm zllm-backend-metal

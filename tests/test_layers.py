@@ -22,6 +22,7 @@ SOURCES = {
     "zllm_backend_cpu": REPO / "zllm-backend-cpu" / "src" / "zllm_backend_cpu",
     "zllm_model_llama": REPO / "zllm-models" / "llama" / "src" / "zllm_model_llama",
     "zllm_model_deepseek": REPO / "zllm-models" / "deepseek" / "src" / "zllm_model_deepseek",
+    "zllm_model_gpt_oss": REPO / "zllm-models" / "gpt_oss" / "src" / "zllm_model_gpt_oss",
     "zllm_kernels_triton": REPO / "zllm-kernels-triton" / "src" / "zllm_kernels_triton",
     "zllm_kernels_torch": REPO / "zllm-kernels-torch" / "src" / "zllm_kernels_torch",
     "zllm_backend_cuda": REPO / "zllm-backend-cuda" / "src" / "zllm_backend_cuda",

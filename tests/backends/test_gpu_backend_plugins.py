@@ -40,7 +40,9 @@ GPU_CAPABILITIES = {f"embedding[{f}]" for f in ("f32", "f16", "bf16", "q8_0")} |
     "rms_norm[f32]", "add_rms_norm[f32]", "rope[neox]", "rope[gptj]", "silu_mul[f32]", "attention[paged]",
     "attention_sliding[paged]"}
 #: What the cuda and rocm backends add through zllm-kernels-triton alone (metal has none of them).
-TRITON_ONLY_CAPABILITIES = {f"moe[{f}]" for f in ("f32", "f16", "bf16", "q8_0")} | {"mla_attention[paged]"} | {
+TRITON_ONLY_CAPABILITIES = {
+    f"{op}[{f}]" for op in ("moe", "moe_clamped_swiglu") for f in ("f32", "f16", "bf16", "q8_0")} | {
+    "mla_attention[paged]", "attention_sinks[paged]", "swiglu_clamped[f32]", "router_topk_softmax[f32]"} | {
     f"linear[{f}]" for f in ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")}
 TRITON_CAPABILITIES = {f"{op}[{v}]" for op, variants, _ in OPS for v in variants}
 #: The reasons above describe this machine: no GPU, a CPU build of torch.

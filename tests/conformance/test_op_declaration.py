@@ -71,8 +71,9 @@ def test_conformance_fails_a_wrong_kernel_for_a_declared_op():
 
 def test_core_ops_are_collected_from_every_domain_module():
     assert collect_ops() == CORE_OPS
-    assert CORE_OPS.names == ["add_rms_norm", "attention", "attention_sliding", "embedding", "linear", "mla_attention",
-                              "moe", "rms_norm", "rope", "silu_mul"]
+    assert CORE_OPS.names == ["add_rms_norm", "attention", "attention_sinks", "attention_sliding", "embedding",
+                              "linear", "mla_attention", "moe", "moe_clamped_swiglu", "rms_norm", "rope",
+                              "router_topk_softmax", "silu_mul", "swiglu_clamped"]
     assert CORE_OPS["rope"].reference_for("gptj") == "zllm.domain.rope:apply_rope_gptj"
     assert CORE_OPS["rope"].reference_for("neox") == "zllm.domain.rope:apply_rope"
 

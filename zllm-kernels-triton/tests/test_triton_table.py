@@ -4,6 +4,7 @@ package loads no Triton."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from zllm.domain.mla import mla_paged_attention as ref_mla
 from zllm.domain.moe import moe as ref_moe
 from zllm.domain.norm import add_rms_norm as ref_add_rms_norm
 from zllm.domain.norm import rms_norm as ref_rms_norm
+from zllm.domain.ops import CORE_OPS
 from zllm.domain.rope import apply_rope, apply_rope_gptj
 from zllm.kernels.registry import KernelRegistry
 from zllm_kernels_triton import OPS, Tuning, kernel_table
@@ -30,7 +32,20 @@ EXPECTED = {
     ("attention", "paged"), ("attention_sliding", "paged"), ("linear", "q8_0"),
     ("moe", "f32"), ("moe", "f16"), ("moe", "bf16"), ("moe", "q8_0"), ("mla_attention", "paged"),
     *(("linear", fmt) for fmt in ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")),
+    ("attention_sinks", "paged"), ("swiglu_clamped", "f32"), ("router_topk_softmax", "f32"),
+    ("moe_clamped_swiglu", "f32"), ("moe_clamped_swiglu", "f16"), ("moe_clamped_swiglu", "bf16"),
+    ("moe_clamped_swiglu", "q8_0"),
 }
+#: Ops whose inputs come from the conformance kit's first quick case, checked against the
+#: reference their declaration names.
+KIT_OPS = ("attention_sinks", "swiglu_clamped", "router_topk_softmax", "moe_clamped_swiglu")
+
+
+def _kit_inputs(op: str, variant: str):
+    case = cases_for(op, variant, seed=0, quick=True)[0]
+    module, _, name = CORE_OPS[op].reference_for(variant).partition(":")
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
+    return case.args, getattr(importlib.import_module(module), name)(*args)
 
 
 def op_inputs(op: str, variant: str, g: torch.Generator):
@@ -45,6 +60,8 @@ def op_inputs(op: str, variant: str, g: torch.Generator):
         return (heads, cos, sin), (apply_rope if variant == "neox" else apply_rope_gptj)(heads, cos, sin)
     if op == "silu_mul":
         return (x, residual), ref_silu_mul(x, residual)
+    if op in KIT_OPS:
+        return _kit_inputs(op, variant)
     if op in ("moe", "mla_attention"):
         case = cases_for(op, variant, seed=0, quick=True)[0]
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)

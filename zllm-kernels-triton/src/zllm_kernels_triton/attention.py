@@ -1,4 +1,5 @@
-"""The ops ``attention[paged]`` and ``attention_sliding[paged]``: KV-cache write, then one attention launch.
+"""The ops ``attention[paged]``, ``attention_sliding[paged]`` and ``attention_sinks[paged]``: KV-cache
+write, then one attention launch.
 
 Dimension legend: ``T`` tokens in the batch, ``S`` sequences, ``H`` query heads, ``Hkv`` KV
 heads, ``D`` head dim, ``NB`` cache blocks, ``BS`` block size.
@@ -49,7 +50,17 @@ def attention_sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return _paged_attention(q, k, v, k_cache, v_cache, meta, window, tuning)
 
 
-def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, tuning: Tuning) -> torch.Tensor:
+def attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, sinks: torch.Tensor, window: int | None = None, *,
+                    tuning: Tuning = Tuning()) -> torch.Tensor:
+    """As :func:`attention` (``window`` None) or :func:`attention_sliding` (``window`` > 0), with
+    ``exp(sinks[h])`` in every softmax denominator of head ``h``; ``sinks`` f32 ``[H]`` (gpt-oss)."""
+    assert window is None or window > 0, window
+    return _paged_attention(q, k, v, k_cache, v_cache, meta, window or 0, tuning, sinks.float())
+
+
+def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, tuning: Tuning,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
     n_seq = len(meta.query_lens)
     assert q.dtype == torch.float32 and k.shape == v.shape and k.shape[0] == t and k.shape[2] == d, (q.shape, k.shape)
@@ -63,8 +74,8 @@ def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window:
     if max_q == 1:
         context_lens = torch.tensor(meta.context_lens, dtype=torch.int32).to(q.device)  # [S]
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, context_lens, meta.scale, window,
-                                      tuning=tuning)
+                                      sinks=sinks, tuning=tuning)
     starts = [0, *accumulate(meta.query_lens)][:-1]
     lens = torch.tensor([*starts, *meta.query_lens, *meta.context_lens], dtype=torch.int32).to(q.device)  # [3 * S]
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, lens[:n_seq], lens[n_seq : 2 * n_seq],
-                                   lens[2 * n_seq :], max_q, meta.scale, window, tuning=tuning)
+                                   lens[2 * n_seq :], max_q, meta.scale, window, sinks=sinks, tuning=tuning)

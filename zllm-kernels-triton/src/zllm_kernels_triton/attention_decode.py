@@ -16,6 +16,11 @@ table; ``start`` is 0, or ``L - window`` for sliding-window attention (the query
 ``L - 1`` sees keys ``> L - 1 - window``), so no block-table entry before the window is ever
 read (the KV cache may have freed it: -1). Scores, softmax and the output are f32 whatever
 the cache dtype; ``exp2`` with ``log2(e)`` folded into the scale.
+
+Attention sinks (gpt-oss, :mod:`zllm.domain.attention_sinks`): a head's sink logit is one more
+term of its softmax denominator that attends to nothing, so the online softmax starts from
+it — running max ``sink`` (in log2 units) and running sum ``exp2(sink - sink) = 1`` — instead
+of ``-inf`` and 0; the keys then update both as usual.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
     qk_scale, window, G, D, BS,
     stride_qs, stride_qh, stride_qd, stride_os, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -52,8 +57,12 @@ def _decode_kernel(
     start = 0
     if SLIDING:
         start = tl.maximum(n_ctx - window, 0)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units
+        l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
     for j0 in range(start, n_ctx, BLOCK_N):
@@ -87,6 +96,7 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,
     *,
+    sinks: torch.Tensor | None = None,
     tuning: Tuning = Tuning(),
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context (keys already in the cache).
@@ -101,6 +111,7 @@ def paged_decode_attention(
         scale: softmax scale, usually ``D ** -0.5``.
         window: 0 for full causal attention, else the sliding window ``W > 0``: the query
             sees keys ``L - W .. L - 1``.
+        sinks: None, or f32 ``[H]`` on the device: each head's sink logit (not scaled).
         tuning: launch parameters.
 
     Returns:
@@ -115,17 +126,18 @@ def paged_decode_attention(
     assert context_lens.shape == (n_seq,), (context_lens.shape, n_seq)
     assert q.device == k_cache.device == block_tables.device == context_lens.device, (q.device, k_cache.device)
     assert window >= 0, window
+    assert sinks is None or (sinks.shape == (h,) and sinks.device == q.device), (None if sinks is None else sinks.shape)
     out = torch.empty((n_seq, h, d), dtype=torch.float32, device=q.device)  # [S, H, D]
     if n_seq == 0:
         return out
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     g = h // hkv
     _decode_kernel[(n_seq, hkv)](
-        q, k_cache, v_cache, out, block_tables, context_lens,
+        q, k_cache, v_cache, out, block_tables, context_lens, q if sinks is None else sinks,
         scale * LOG2E, window, g, d, bs,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        SLIDING=window > 0, PRECISION=tuning.dot_precision,
+        SLIDING=window > 0, HAS_SINKS=sinks is not None, PRECISION=tuning.dot_precision,
         BLOCK_G=max(triton.next_power_of_2(g), tuning.dot_min), BLOCK_D=max(triton.next_power_of_2(d), tuning.dot_min),
         BLOCK_N=tuning.decode_block_n, num_warps=tuning.decode_num_warps, num_stages=tuning.decode_num_stages,
     )

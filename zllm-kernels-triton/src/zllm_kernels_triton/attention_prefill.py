@@ -35,11 +35,11 @@ from zllm_kernels_triton.tuning import Tuning
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr,
-    query_starts_ptr, query_lens_ptr, context_lens_ptr,
+    query_starts_ptr, query_lens_ptr, context_lens_ptr, sinks_ptr,
     qk_scale, window, G, D, BS,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -62,8 +62,13 @@ def _prefill_kernel(
         start = 0
         if SLIDING:
             start = tl.maximum(n_ctx - n_q + tile * BLOCK_M - window + 1, 0)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # the online softmax starts from the sink (see attention_decode)
+            m_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * (tl.load(sinks_ptr + head).to(tl.float32)
+                                                                * 1.4426950408889634)
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         table = block_tables_ptr + seq * stride_bt
         for j0 in range(start, end, BLOCK_N):
@@ -104,6 +109,7 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,
     *,
+    sinks: torch.Tensor | None = None,
     tuning: Tuning = Tuning(),
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of queries over its paged context (keys already cached).
@@ -120,6 +126,8 @@ def paged_prefill_attention(
         max_query_len: ``max(query_lens)`` (sizes the grid; known on the host).
         scale: softmax scale, usually ``D ** -0.5``.
         window: 0 for full causal attention, else the sliding window ``W > 0``.
+        sinks: None, or f32 ``[H]`` on the device: each head's sink logit in every softmax
+            denominator (not scaled; :mod:`zllm_kernels_triton.attention_decode`).
         tuning: launch parameters.
 
     Returns:
@@ -137,6 +145,7 @@ def paged_prefill_attention(
         query_starts.shape, query_lens.shape, context_lens.shape, n_seq)
     assert q.device == k_cache.device == block_tables.device == query_lens.device, (q.device, k_cache.device)
     assert window >= 0, window
+    assert sinks is None or (sinks.shape == (h,) and sinks.device == q.device), (None if sinks is None else sinks.shape)
     out = torch.empty((t, h, d), dtype=torch.float32, device=q.device)  # [T, H, D]
     if t == 0 or n_seq == 0:
         return out
@@ -144,10 +153,10 @@ def paged_prefill_attention(
     block_m = tuning.prefill_block_m
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), h, n_seq)](
         q, k_cache, v_cache, out, block_tables, query_starts, query_lens, context_lens,
-        scale * LOG2E, window, h // hkv, d, bs,
+        q if sinks is None else sinks, scale * LOG2E, window, h // hkv, d, bs,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        SLIDING=window > 0, PRECISION=tuning.dot_precision,
+        SLIDING=window > 0, HAS_SINKS=sinks is not None, PRECISION=tuning.dot_precision,
         BLOCK_M=block_m, BLOCK_N=tuning.prefill_block_n, BLOCK_D=max(triton.next_power_of_2(d), tuning.dot_min),
         num_warps=tuning.prefill_num_warps, num_stages=tuning.prefill_num_stages,
     )

@@ -25,6 +25,10 @@ OPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("linear", ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4"), "quant_hf:linear_quant_hf"),
     ("moe", ("f32", "f16", "bf16", "q8_0"), "moe:moe"),
     ("mla_attention", ("paged",), "mla:mla_attention"),
+    ("attention_sinks", ("paged",), "attention:attention_sinks"),
+    ("swiglu_clamped", ("f32",), "activation:swiglu_clamped"),
+    ("router_topk_softmax", ("f32",), "moe_biased:router_topk_softmax"),
+    ("moe_clamped_swiglu", ("f32", "f16", "bf16", "q8_0"), "moe_biased:moe_clamped_swiglu"),
 )
 
 

@@ -52,6 +52,10 @@ KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention"),
     ("silu_mul", ("f32",), f"{_PKG}.activation:silu_mul"),
     ("moe", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe:moe"),
+    ("attention_sinks", ("paged",), f"{_PKG}.attention_sinks:attention_sinks"),
+    ("swiglu_clamped", ("f32",), f"{_PKG}.moe_biased:swiglu_clamped"),
+    ("router_topk_softmax", ("f32",), f"{_PKG}.moe_biased:router_topk_softmax"),
+    ("moe_clamped_swiglu", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe_biased:moe_clamped_swiglu"),
 ]
 
 #: Ops of :data:`KERNELS` whose kernels are batch-invariant as they stand (see
@@ -68,6 +72,10 @@ INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("mla_attention", ("paged",), f"{_PKG}.mla:mla_attention_invariant"),
     ("silu_mul", ("f32",), f"{_PKG}.invariant:silu_mul_invariant"),
     ("moe", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe:moe_invariant"),
+    ("attention_sinks", ("paged",), f"{_PKG}.attention_sinks:attention_sinks_invariant"),
+    ("swiglu_clamped", ("f32",), f"{_PKG}.moe_biased:swiglu_clamped_invariant"),
+    ("router_topk_softmax", ("f32",), f"{_PKG}.moe_biased:router_topk_softmax_invariant"),
+    ("moe_clamped_swiglu", (*DENSE, *QUANT_FORMATS), f"{_PKG}.moe_biased:moe_clamped_swiglu_invariant"),
 ]
 
 #: Native kernels (:mod:`zllm_backend_cpu.kernels.native`), registered at priority 1 when the
@@ -84,6 +92,7 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
     ("mla_attention", ("paged",), f"{_PKG}.paged_mla:mla_attention"),
     ("moe", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_gemv"),
+    ("moe_clamped_swiglu", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_clamped_swiglu_gemv"),
 ]
 
 #: Ops of :data:`NATIVE_KERNELS` whose kernels are batch-invariant (each row alone, in a fixed

@@ -1,6 +1,8 @@
 """``moe`` through the native MoE kernel (:mod:`.native`, ``csrc/moe.c``): after the core's f32
 router, one C call per layer runs every selected expert's gate/up GEMV, SiLU-and-mul and down
-GEMV, the weighted sum and the shared expert, in the weights' stored formats.
+GEMV, the weighted sum and the shared expert, in the weights' stored formats. gpt-oss's
+``moe_clamped_swiglu`` runs :mod:`.moe_biased`'s algorithm with its experts' rows through the
+native GEMVs.
 
 Dimension legend as in :mod:`.moe`.
 
@@ -32,7 +34,7 @@ import ctypes
 import torch
 
 from zllm.plugin_api import QuantizedTensor, RouterConfig, SharedExperts, format_of, select_experts
-from zllm_backend_cpu.kernels import GEMV_FORMATS, elementwise, gemv, quant_gemv
+from zllm_backend_cpu.kernels import GEMV_FORMATS, elementwise, gemv, moe_biased, quant_gemv
 from zllm_backend_cpu.kernels.moe import (
     Linear,
     Weight,
@@ -190,3 +192,14 @@ def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: Rou
     routing = route_in_tiles(router_logits, router, correction_bias)
     return moe_experts(x, routing.topk_ids, routing.topk_weights, gate_exps, up_exps, down_exps, shared,
                        _shared_scale(x, shared, invariant=True))
+
+
+def moe_clamped_swiglu_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_exps: Weight,
+                            up_exps: Weight, down_exps: Weight, gate_bias: torch.Tensor, up_bias: torch.Tensor,
+                            down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """:func:`~zllm_backend_cpu.kernels.moe_biased.moe_clamped_swiglu` with each bucket of up to 16
+    rows through the native GEMVs (one read of the expert's weights; the HF checkpoints' formats,
+    MXFP4 experts among them, through :mod:`.quant_gemv`), larger ones and the formats no GEMV has
+    through the torch kernels; arguments as it."""
+    return moe_biased.run_experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps),
+                                  (gate_bias, up_bias, down_bias), alpha, limit, _linear, moe_biased.swiglu_clamped)

@@ -271,6 +271,56 @@ def moe_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
     return cases
 
 
+def router_topk_softmax_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``router_topk_softmax``: decode and batch rows, k of 1, 2 and 4 over 4 to 32 experts,
+    logits with many exact ties (the lowest expert index must win, ids in descending logit
+    order), large logits (the softmax must subtract the max), a logits slice of a wider tensor."""
+    _only(variant, "router_topk_softmax", ("f32",))
+    shapes = [(1, 32, 4, "random"), (9, 8, 2, "ties"), (17, 4, 1, "random"), (6, 16, 4, "large"),
+              (5, 8, 2, "column slice")]  # (T, E, k, logits)
+    if quick:
+        shapes = shapes[:3]
+    cases = []
+    for t, e, k, kind in shapes:
+        if kind == "ties":
+            logits = torch.randint(-2, 3, (t, e), generator=g).float()  # [T, E]
+            logits[0] = 0.0  # one row where every expert ties
+        elif kind == "column slice":
+            logits = _randn(g, t, e + 3)[:, 2:2 + e]  # [T, E], row stride E + 3
+        else:
+            logits = _randn(g, t, e, scale=60.0 if kind == "large" else 2.0)
+        cases.append(Case("router_topk_softmax", variant, f"T={t} E={e} k={k} logits {kind}", (logits, k)))
+    return cases
+
+
+def moe_clamped_swiglu_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``moe_clamped_swiglu``: expert stacks in the variant's format with f32 biases; decode
+    (T=1) and batches; k = 1, 2, 4; pre-activations past the clamp limit on both sides (the
+    limit must cut the gate from above and ``up`` on both sides); gpt-oss's constants and
+    others; an ``x`` sliced from a wider tensor. Experts no token picked are in most cases."""
+    blk = _block(variant)
+    hidden, width = (blk, blk) if blk >= 256 else ((2 * blk, blk) if blk > 1 else (72, 40))
+    shapes = [(1, 8, 2, 1.702, 7.0, 1.0, "contiguous"), (7, 4, 1, 1.702, 7.0, 8.0, "column slice"),
+              (11, 8, 4, 1.0, 2.5, 4.0, "contiguous")]  # (T, E, k, alpha, limit, x scale, x layout)
+    if quick:
+        shapes = shapes[:2]
+    cases = []
+    for t, e, k, alpha, limit, scale, layout in shapes:
+        x = (_randn(g, t, hidden + 8, scale=scale)[:, 5:5 + hidden] if layout == "column slice"
+             else _randn(g, t, hidden, scale=scale))  # [T, K]
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, k], distinct per row
+        weights = torch.rand(t, k, generator=g).softmax(dim=-1)  # [T, k]
+        gate = make_expert_stack(g, variant, e, width, hidden)  # [E, N, K]
+        up = make_expert_stack(g, variant, e, width, hidden)  # [E, N, K]
+        down = make_expert_stack(g, variant, e, hidden, width)  # [E, K, N]
+        biases = (_randn(g, e, width), _randn(g, e, width), _randn(g, e, hidden, scale=0.1))
+        label = (f"T={t} E={e} k={k} K={hidden} N={width} alpha={alpha:g} limit={limit:g} |x|~{scale:g}"
+                 + (f" x={layout}" if layout != "contiguous" else ""))
+        args = (x, ids, weights, gate, up, down, *biases, alpha, limit)
+        cases.append(Case("moe_clamped_swiglu", variant, label, args, placed=frozenset({3, 4, 5})))
+    return cases
+
+
 # ---------------------------------------------------------------------------- norms, rope, activation
 
 
@@ -351,6 +401,25 @@ def silu_mul_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
             gate, up = _randn(g, t, n, scale=scale), _randn(g, t, n)
         label = f"T={t} N={n} |gate|~{scale:g} {'gate/up = halves of fused [T, 2N]' if fused else 'contiguous'}"
         cases.append(Case("silu_mul", variant, label, (gate, up)))
+    return cases
+
+
+def swiglu_clamped_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``swiglu_clamped``: odd N, gates and ups well past the limit on both sides, gpt-oss's
+    ``alpha``/``limit`` and others, gate/up as halves of a fused ``[T, 2N]``."""
+    _only(variant, "swiglu_clamped", ("f32",))
+    shapes = [(1, 64, 1.0, 1.702, 7.0, False), (7, 97, 12.0, 1.702, 7.0, True),
+              (33, 130, 3.0, 1.0, 1.5, True)]  # (T, N, scale, alpha, limit, fused)
+    if quick:
+        shapes = shapes[:2]
+    cases = []
+    for t, n, scale, alpha, limit, fused in shapes:
+        gate, up = _fused_split(g, t, (n, n)) if fused else (_randn(g, t, n), _randn(g, t, n))
+        gate.mul_(scale)
+        up.mul_(scale)
+        label = (f"T={t} N={n} |gate|,|up|~{scale:g} alpha={alpha:g} limit={limit:g} "
+                 f"{'gate/up = halves of fused [T, 2N]' if fused else 'contiguous'}")
+        cases.append(Case("swiglu_clamped", variant, label, (gate, up, alpha, limit)))
     return cases
 
 
@@ -468,6 +537,34 @@ def attention_sliding_cases(variant: str, g: torch.Generator, quick: bool) -> li
     if quick:
         specs = specs[1:3]
     return [_paged_case(g, op, variant, **s) for s in specs]
+
+
+def attention_sinks_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:
+    """``attention_sinks[paged]``: full attention (window None) and sliding windows with
+    freed blocks; New Prefill, Append Prefill, decode and mixed batches; GQA and MQA; sinks
+    below, around and far above the scores (a sink that takes almost all the mass leaves a
+    tiny output, and one of -inf-like size changes nothing); f16 and bf16 caches."""
+    _only(variant, "attention_sinks", ("paged",))
+    specs: list[dict[str, Any]] = [
+        dict(h=4, hkv=2, d=16, bs=16, seqs=[_Seq(37, 37)]),
+        dict(h=8, hkv=1, d=32, bs=16, seqs=[_Seq(1, 16), _Seq(1, 17), _Seq(1, 1), _Seq(1, 40)], sink_scale=8.0),
+        dict(h=4, hkv=2, d=8, bs=5, seqs=[_Seq(6, 6), _Seq(3, 19), _Seq(1, 12)], fused=True),
+        dict(h=4, hkv=2, d=16, bs=16, window=16, seqs=[_Seq(40, 40)]),
+        dict(h=8, hkv=2, d=16, bs=4, window=7, seqs=[_Seq(1, 50), _Seq(5, 29)], sink_scale=8.0),
+        dict(h=8, hkv=2, d=32, bs=16, seqs=[_Seq(1, 40), _Seq(6, 21)], cache_dtype=torch.float16),
+        dict(h=4, hkv=4, d=16, bs=5, window=11, seqs=[_Seq(1, 36), _Seq(7, 30)], cache_dtype=torch.bfloat16),
+    ]
+    if quick:
+        specs = [specs[1], specs[2], specs[4]]
+    cases = []
+    for spec in specs:
+        sink_scale = spec.pop("sink_scale", 2.0)
+        window = spec.get("window")
+        case = _paged_case(g, "attention_sinks", variant, **spec)
+        sinks = _randn(g, spec["h"], scale=sink_scale)  # [H]
+        cases.append(attrs.evolve(case, args=case.args[:6] + (sinks, window),
+                                  label=f"{case.label} |sinks|~{sink_scale:g}"))
+    return cases
 
 
 def mla_attention_cases(variant: str, g: torch.Generator, quick: bool) -> list[Case]:

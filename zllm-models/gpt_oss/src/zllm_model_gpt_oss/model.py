@@ -1,0 +1,165 @@
+"""The gpt-oss forward pass, top to bottom (OpenAI's ``gpt_oss/torch/model.py``; HF
+transformers 5.24 ``modeling_gpt_oss.py``).
+
+Dimension legend: T tokens in the batch, S' rows that need logits, H query heads, Hkv KV
+heads, D head dim, C hidden size, V vocabulary, E experts, N expert width.
+Every op goes through ``ops`` (the backend's bound kernels); this file names no backend.
+
+A decoder layer: pre-norm attention with q/k/v/o biases, half-rotation RoPE (YaRN) and one
+sink logit per head, sliding-window or full by layer; then a pre-norm MoE FFN: router
+logits with a bias, top-k then softmax over the k, and experts with biases and the clamped
+SwiGLU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from zllm.plugin_api import AttentionMetadata, KVCacheSpec, KVLayerSpec, QuantizedTensor, RopeTable, rope_inv_freq
+from zllm_model_gpt_oss.spec import GptOssSpec
+
+#: How a checkpoint stores a layer's experts: transformers' fused ``gate_up_proj [E, C, 2N]``
+#: (gate in the even columns) + ``down_proj [E, N, C]`` (``x @ W``) — or, quantized, the same
+#: two in row layout ``[E, 2N, C]`` (gate in the even rows) / ``[E, C, N]`` — or GGUF's stacks
+#: ``[E, N, C]`` / ``[E, C, N]`` per projection (``x W^T``; llama.cpp's converter
+#: de-interleaves and transposes).
+EXPERT_LAYOUTS = ("fused", "stacked")
+
+
+@attrs.frozen
+class Experts:
+    """One layer's experts as the ``moe_clamped_swiglu`` op takes them: ``gate``/``up`` ``[E, N, C]``,
+    ``down`` ``[E, C, N]``, biases ``[E, N]``, ``[E, N]``, ``[E, C]``."""
+
+    gate: Any
+    up: Any
+    down: Any
+    gate_bias: Any
+    up_bias: Any
+    down_bias: Any
+
+    @classmethod
+    def from_weights(cls, w: dict[str, Any], p: str, layout: str) -> Experts:
+        """The experts under prefix ``p`` (``model.layers.{i}.mlp.experts.``) in ``layout``.
+
+        A fused dense ``gate_up_proj`` is de-interleaved and transposed once here (a copy in its
+        stored dtype); a fused quantized one (row layout) has its even and odd rows gathered
+        into two stacks that stay in their format; stacks are used as stored."""
+        if layout == "stacked":
+            return cls(*(w[f"{p}{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj")),
+                       *(w[f"{p}{name}.bias"] for name in ("gate_proj", "up_proj", "down_proj")))
+        gate_up, bias, down = w[p + "gate_up_proj"], w[p + "gate_up_proj_bias"], w[p + "down_proj"]  # bias [E, 2N]
+        biases = (bias[:, 0::2].contiguous(), bias[:, 1::2].contiguous(), w[p + "down_proj_bias"])
+        if isinstance(gate_up, QuantizedTensor):  # [E, 2N, C], down [E, C, N]
+            return cls(_row_stack(gate_up, 0), _row_stack(gate_up, 1), down, *biases)
+        return cls(gate_up[:, :, 0::2].transpose(1, 2).contiguous(),  # [E, N, C]
+                   gate_up[:, :, 1::2].transpose(1, 2).contiguous(),  # [E, N, C]
+                   down.transpose(1, 2).contiguous(),  # [E, C, N]
+                   *biases)
+
+
+def _row_stack(stack: QuantizedTensor, start: int) -> QuantizedTensor:
+    """Rows ``start, start + 2, ..`` of every expert of a quantized ``[E, R, C]`` stack, as a
+    ``[E, R / 2, C]`` stack in the same format (its parts gathered, never decoded)."""
+    e, r, c = stack.shape
+    ids = torch.arange(start, r, 2)
+    experts = [stack[i].rows(ids) for i in range(e)]
+    parts = {name: torch.stack([x.parts[name] for x in experts]) for name in experts[0].parts}
+    return QuantizedTensor(parts, stack.fmt, (e, len(ids), c), block=experts[0].block)
+
+
+@attrs.frozen
+class GptOssLayer:
+    """The weights of one decoder layer (attention biases are None when ``attention_bias`` is false)."""
+
+    attn_norm: Any
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    sinks: torch.Tensor
+    mlp_norm: Any
+    router: Any
+    router_bias: Any
+    experts: Experts
+    q_bias: Any = None
+    k_bias: Any = None
+    v_bias: Any = None
+    o_bias: Any = None
+
+    @classmethod
+    def from_weights(cls, w: dict[str, Any], i: int, layout: str) -> GptOssLayer:
+        p = f"model.layers.{i}."
+        proj = {name: p + f"self_attn.{name}_proj" for name in ("q", "k", "v", "o")}
+        return cls(attn_norm=w[p + "input_layernorm.weight"], mlp_norm=w[p + "post_attention_layernorm.weight"],
+                   sinks=w[p + "self_attn.sinks"].float(), router=w[p + "mlp.router.weight"],
+                   router_bias=w[p + "mlp.router.bias"], experts=Experts.from_weights(w, p + "mlp.experts.", layout),
+                   **{name: w[n + ".weight"] for name, n in proj.items()},
+                   **{name + "_bias": w.get(n + ".bias") for name, n in proj.items()})
+
+
+class GptOssModel:
+    """A runnable gpt-oss model over bound kernels ``ops``."""
+
+    def __init__(self, spec: GptOssSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str, ...]):
+        """``expert_layouts[i]``: how layer ``i``'s experts are stored (:data:`EXPERT_LAYOUTS`)."""
+        self.spec, self.ops = spec, ops
+        self.vocab_size = spec.vocab_size
+        self.context_length = spec.context_length
+        # K and V of Hkv heads per layer, each layer with its own window; scores scaled by
+        # D ** -0.5 (GptOssAttention.scaling; YaRN's attention factor scales cos/sin, as HF does).
+        self.kv_spec = KVCacheSpec(
+            tuple(KVLayerSpec.gqa(spec.num_kv_heads, spec.head_dim, window) for window in spec.layer_windows),
+            attention_scale=spec.head_dim ** -0.5,
+        )
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers = [GptOssLayer.from_weights(weights, i, layout) for i, layout in enumerate(expert_layouts)]
+        self.rope_table = RopeTable(*rope_inv_freq(spec.head_dim, spec.rope), spec.context_length)
+        self._heads, self._kv_heads, self._head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
+        ops, eps = self.ops, self.spec.rms_norm_eps
+        cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
+        residual = ops.embedding(self.embed, token_ids)  # [T, C]
+        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
+        layers = zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)
+        for i, (layer, window, kv_cache) in enumerate(layers):
+            attn = self.attention(layer, x, cos, sin, meta, kv_cache, window)  # [T, C]
+            x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
+            mlp = self.mlp(layer, x)  # [T, C]
+            if i + 1 < len(self.layers):
+                x, residual = ops.add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, eps)
+            else:
+                residual = mlp[logits_indices] + residual[logits_indices]  # [S', C]
+        x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
+        return ops.linear(x, self.lm_head)  # [S', V]
+
+    def attention(self, layer: GptOssLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
+                  window: int | None) -> torch.Tensor:
+        ops, H, Hkv, D = self.ops, self._heads, self._kv_heads, self._head_dim
+        T = x.shape[0]
+        q = ops.rope(ops.linear(x, layer.q, layer.q_bias).view(T, H, D), cos, sin)  # [T, H, D]
+        k = ops.rope(ops.linear(x, layer.k, layer.k_bias).view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
+        v = ops.linear(x, layer.v, layer.v_bias).view(T, Hkv, D)  # [T, Hkv, D]
+        out = ops.attention_sinks(q, k, v, kv_cache[0], kv_cache[1], meta, layer.sinks, window)  # [T, H, D]
+        return ops.linear(out.reshape(T, H * D), layer.o, layer.o_bias)  # [T, C]
+
+    def mlp(self, layer: GptOssLayer, x: torch.Tensor) -> torch.Tensor:
+        ops, e = self.ops, layer.experts
+        router_logits = ops.linear(x, layer.router, layer.router_bias)  # [T, E]
+        ids, weights = ops.router_topk_softmax(router_logits, self.spec.experts_per_tok)  # [T, k] each
+        return ops.moe_clamped_swiglu(x, ids, weights, e.gate, e.up, e.down, e.gate_bias, e.up_bias, e.down_bias,
+                                      self.spec.swiglu_alpha, self.spec.swiglu_limit)  # [T, C]
