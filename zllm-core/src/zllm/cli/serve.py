@@ -62,9 +62,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, server=server)
     _check_can_listen(server.host, server.port)
     if replicas > 1:
-        from zllm.server.data_parallel.serve import serve_data_parallel
+        from zllm.server.data_parallel.replicas import ReplicaSet
 
-        serve_data_parallel(cfg, replicas, log_level=args.log_level, access_log=args.access_log)
+        replica_set = ReplicaSet(cfg, replicas, args.log_level)
+        try:
+            from zllm.server.data_parallel.serve import serve_data_parallel
+        except BaseException:
+            replica_set.stop()
+            raise
+        serve_data_parallel(cfg, replica_set, log_level=args.log_level, access_log=args.access_log)
         return 0
     from zllm.engine.engine import Engine
     from zllm.server import create_app, served_model_name

@@ -13,17 +13,18 @@ from zllm.server.uvicorn_server import SHUTDOWN_GRACE_S, Server, protocol_class
 from zllm.spec.config import ZllmConfig
 
 
-def serve_data_parallel(cfg: ZllmConfig, replicas: int, *, log_level: str = "info",
+def serve_data_parallel(cfg: ZllmConfig, replica_set: ReplicaSet, *, log_level: str = "info",
                         access_log: bool = False) -> None:
-    """Run ``replicas`` replicas of ``cfg`` behind one front end on ``cfg.server.host:port``
-    until SIGTERM or SIGINT, which every replica gets too (each drains its requests for
-    ``server.shutdown_timeout_s``); returns once they have stopped.
+    """Serve the replicas of ``cfg`` in ``replica_set`` (just started: the caller starts them
+    before importing this module, so that their start overlaps this import) behind one front
+    end on ``cfg.server.host:port`` until SIGTERM or SIGINT, which every replica gets too (each
+    drains its requests for ``server.shutdown_timeout_s``); returns once they have stopped.
 
     Raises:
         ReplicaStartError: a replica exited before it was ready (the others are stopped).
     """
     server = cfg.server
-    replica_set = ReplicaSet(cfg, replicas, log_level)
+    replicas = len(replica_set.replicas)
     try:
         replica_set.wait_ready()
         frontend = FrontEnd([r.url for r in replica_set.replicas], cfg.generation.max_new_tokens,

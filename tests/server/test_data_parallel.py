@@ -1,0 +1,192 @@
+"""``parallel.data: 2``: two real ``zllm serve`` replicas behind one front end, driven by the
+official openai and anthropic SDKs over loopback.
+
+One front end serves the whole module (starting two replicas costs seconds of model loading);
+the test that kills a replica runs last, in file order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import Server, chat_model_dir, start_server
+
+REPLICA = "x-zllm-replica"
+PROMPTS = [f"Once upon a time, {name} went to the {place}" for name in ("Lily", "Tom", "Sue", "Ben")
+           for place in ("park", "sea", "shop", "woods")]
+MAX_TOKENS = 24
+LONG_TOKENS = 128
+
+
+def start_dp(tmp_path_factory, name: str) -> Server:
+    tmp = tmp_path_factory.mktemp(name)
+    # One OpenMP thread per replica: two replicas share this machine's two cores.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return start_server(tmp, chat_model_dir(tmp / "stories-chat"), parallel={"data": 2},
+                            server={"served_model_name": "stories-chat"})
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def replicas(dp: Server) -> list[dict]:
+    return httpx.get(f"{dp.url}/health", timeout=5).json()["replicas"]
+
+
+def stop(dp: Server) -> None:
+    pids = [r["pid"] for r in replicas(dp)] if dp.proc.poll() is None else []
+    dp.stop()
+    for pid in pids:  # the front end stops its replicas; make sure, whatever a test did to them
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory):
+    srv = start_dp(tmp_path_factory, "serve-dp")
+    yield srv
+    stop(srv)
+
+
+def client(dp: Server) -> openai.OpenAI:
+    # No retries: a 503 must reach the test, not be retried on the surviving replica.
+    return openai.OpenAI(base_url=f"{dp.url}/v1", api_key="unused", max_retries=0)
+
+
+def stream_text(dp: Server, prompt: str, max_tokens: int = MAX_TOKENS, **extra) -> tuple[str, int]:
+    """One completions stream through the SDK: its text and the replica that served it."""
+    with client(dp).completions.with_streaming_response.create(
+            model=dp.model, prompt=prompt, max_tokens=max_tokens, stream=True, extra_body=extra) as raw:
+        text = "".join(chunk.choices[0].text for chunk in raw.parse() if chunk.choices)
+        return text, int(raw.headers[REPLICA])
+
+
+def test_sixteen_concurrent_streams_equal_their_solo_runs_and_spread_over_both_replicas(dp):
+    solo = {p: stream_text(dp, p)[0] for p in PROMPTS}
+    barrier = threading.Barrier(len(PROMPTS))
+    results: dict[str, tuple[str, int]] = {}
+
+    def run(prompt: str) -> None:
+        barrier.wait()
+        results[prompt] = stream_text(dp, prompt)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {p: text for p, (text, _) in results.items()} == solo
+    served = [replica for _, replica in results.values()]
+    assert min(served.count(0), served.count(1)) >= len(PROMPTS) // 4, served
+    assert all(r["requests_in_flight"] == 0 and r["load_tokens"] == 0 for r in replicas(dp))
+
+
+def test_follow_up_turns_land_on_the_replica_holding_the_conversation(dp):
+    oai = client(dp)
+    # Three conversations: taking turns, the replicas would serve a conversation's second turn on
+    # the other replica than its first; only prefix affinity keeps all three in place.
+    conversations = [[{"role": "system", "content": f"You are storyteller number {i}, and you tell short "
+                       "stories about animals who live in a small village by the sea."},
+                      {"role": "user", "content": f"Tell me story {i}."}] for i in range(3)]
+    served: list[list[int]] = [[] for _ in conversations]
+    cached: list[int] = []
+    for turn in range(3):
+        for i, messages in enumerate(conversations):
+            raw = oai.chat.completions.with_raw_response.create(model=dp.model, messages=messages,
+                                                                 max_completion_tokens=12)
+            reply = raw.parse()
+            served[i].append(int(raw.headers[REPLICA]))
+            if turn:
+                cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "And then?"}]
+    assert all(len(set(s)) == 1 for s in served), served
+    assert {s[0] for s in served} == {0, 1}, served
+    assert all(c > 0 for c in cached), cached  # the replica's prefix cache held the earlier turns
+    routed = dp.metrics()
+    assert sum(v for k, v in routed.items() if k.startswith("zllm_dp_routed_total") and 'reason="prefix"' in k) >= 6
+
+
+def test_health_and_metrics_describe_the_whole(dp):
+    assert [r["up"] for r in replicas(dp)] == [True, True]
+    stream_text(dp, "The cat")
+    metrics = dp.metrics()
+    assert metrics['zllm_dp_replica_up{replica="0"}'] == metrics['zllm_dp_replica_up{replica="1"}'] == 1
+    per_replica = [metrics[f'zllm_generation_tokens_total{{replica="{i}"}}'] for i in (0, 1)]
+    assert all(n > 0 for n in per_replica)  # both replicas' own metrics, labelled
+    assert metrics['zllm_dp_requests_total{route="/v1/completions",status="200"}'] >= 1
+
+
+def test_a_killed_replica_fails_its_requests_with_503_and_the_other_keeps_serving(dp):
+    pids = [r["pid"] for r in replicas(dp)]
+    long = {"ignore_eos": True}
+    prompts = ["Once upon a time", "The little dog"]
+    solo = [stream_text(dp, p, LONG_TOKENS, **long)[0] for p in prompts]
+    oai = client(dp)
+    # Each stream's replica is frozen (SIGSTOP) as soon as the stream starts, so nothing
+    # finishes before the kill however fast the machine is.
+    streams, served = [], []
+    for p in prompts:
+        cm = oai.completions.with_streaming_response.create(model=dp.model, prompt=p, max_tokens=LONG_TOKENS,
+                                                            stream=True, extra_body=long)
+        raw = cm.__enter__()
+        replica = int(raw.headers[REPLICA])
+        os.kill(pids[replica], signal.SIGSTOP)
+        events = raw.parse()
+        streams.append((cm, events))
+        served.append(replica)
+    assert sorted(served) == [0, 1]  # the second stream went to the less loaded replica
+    outcome: dict[str, object] = {}
+
+    def blocking_request() -> None:
+        try:
+            oai.completions.create(model=dp.model, prompt="Tom and", max_tokens=8)
+        except openai.APIStatusError as exc:
+            outcome["error"] = exc
+
+    waiting = threading.Thread(target=blocking_request)
+    waiting.start()
+    while sum(r["requests_in_flight"] for r in replicas(dp)) < 3:
+        pass
+    victim = next(r["replica"] for r in replicas(dp) if r["requests_in_flight"] == 2)
+    survivor = 1 - victim
+    os.kill(pids[victim], signal.SIGKILL)
+    os.kill(pids[survivor], signal.SIGCONT)
+    waiting.join(timeout=60)
+    err = outcome["error"]
+    assert isinstance(err, openai.APIStatusError) and err.status_code == 503
+    assert err.body["code"] == "replica_failed" and f"replica {victim}" in err.body["message"]
+
+    texts: list[str | Exception] = []
+    for cm, events in streams:
+        try:
+            texts.append("".join(c.choices[0].text for c in events if c.choices))
+        except openai.APIError as exc:
+            texts.append(exc)
+        finally:
+            cm.__exit__(None, None, None)
+    failed = texts[served.index(victim)]
+    assert isinstance(failed, openai.APIError) and f"replica {victim}" in failed.message
+    assert texts[served.index(survivor)] == solo[served.index(survivor)]
+
+    assert [r["up"] for r in replicas(dp)] == [i == survivor for i in (0, 1)]
+    for p in prompts:  # new requests all go to the survivor and succeed
+        assert stream_text(dp, p, LONG_TOKENS, **long) == (solo[prompts.index(p)], survivor)
+    reply = anthropic.Anthropic(base_url=dp.url, api_key="unused", max_retries=0).messages.with_raw_response.create(
+        model=dp.model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert int(reply.headers[REPLICA]) == survivor and reply.parse().content
+    assert dp.metrics()[f'zllm_dp_replica_up{{replica="{victim}"}}'] == 0
