@@ -116,3 +116,17 @@ def test_unreadable_bodies_are_routed_by_load_alone():
     for body in (b"{not json", b"[1, 2]", b'"text"'):
         view = read_request("/v1/completions", body, 100)
         assert view.segments == () and view.cost_tokens >= 1
+
+
+def test_each_replica_config_serves_alone_on_its_own_devices_and_port(tmp_path):
+    from tests.conftest import MODEL_DIR, write_config
+    from zllm.server.data_parallel.replicas import cores, replica_config
+    from zllm.spec.config import config_from_dict, load_config
+
+    cfg = load_config(write_config(tmp_path, MODEL_DIR / "hf", parallel={"data": 2, "tensor": 1},
+                                   backend={"device": 1}))
+    second = config_from_dict(replica_config(cfg, 1, 12345))
+    assert second.parallel.data == 1 and second.server.port == 12345 and second.server.host == "127.0.0.1"
+    assert second.backend.device == 2  # replica 0 has device 1
+    assert second.backend.threads == max(1, cores() // 2)
+    assert second.model == cfg.model and second.runtime == cfg.runtime and second.generation == cfg.generation

@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from pathlib import Path
 
 import attrs
 
-from zllm.spec.config import ZllmConfig, config_from_dict
+from zllm.spec.config import load_config
 from zllm.spec.errors import ConfigError
-from zllm.spec.migrations import load_yaml_text
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -24,47 +22,20 @@ def _check_can_listen(host: str, port: int) -> None:
         raise ConfigError("server.port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
-def _load_serve_config(path: str) -> tuple[ZllmConfig, int]:
-    """The config in file ``path`` and its ``parallel.data`` (1 when absent).
-
-    Raises:
-        ConfigError: as :func:`zllm.spec.config.load_config`; ``parallel.data`` not a positive
-            int, or another key under ``parallel``.
-    """
-    # The config contract has no `parallel` section yet: take it out here and check the rest.
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("", f"cannot read config file {file}: {exc}") from exc
-    data = load_yaml_text(text, str(file))
-    parallel = data.pop("parallel", None) if isinstance(data, dict) else None
-    if parallel is None:
-        parallel = {}
-    if not isinstance(parallel, dict):
-        raise ConfigError("parallel", f"expected a mapping with key 'data', got {parallel!r}")
-    for key in parallel:
-        if key != "data":
-            raise ConfigError(f"parallel.{key}", "unknown key; valid keys: data")
-    replicas = parallel.get("data", 1)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError("parallel.data", f"expected a positive int (engine replicas), got {replicas!r}")
-    return config_from_dict(data, base_dir=file.parent), replicas
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     # Check the config (and the overrides) before importing torch and the server.
-    cfg, replicas = _load_serve_config(args.config)
+    cfg = load_config(args.config)
     server = cfg.server
     if args.host is not None or args.port is not None:
         server = attrs.evolve(server, host=args.host or server.host,
                               port=args.port if args.port is not None else server.port)
         cfg = attrs.evolve(cfg, server=server)
     _check_can_listen(server.host, server.port)
+    replicas = cfg.parallel.data
     if replicas > 1:
         from zllm.server.data_parallel.replicas import ReplicaSet
 
-        replica_set = ReplicaSet(cfg, replicas, args.log_level)
+        replica_set = ReplicaSet(cfg, args.log_level)
         try:
             from zllm.server.data_parallel.serve import serve_data_parallel
         except BaseException:

@@ -1,11 +1,12 @@
 """The replica processes behind a data-parallel front end: each a full ``zllm serve`` of the
 same config on its own loopback port.
 
-A replica is started as ``python -m zllm.cli.main serve`` with a config file written for it:
-the user's config with ``parallel.data`` left out (so it serves alone), the port replaced, and
-``backend.threads``, when unset, the replica's share of this machine's cores (R replicas each
-taking every core would only slow one another down). Its output goes to the front end's
-stderr.
+A replica is started as ``python -m zllm.cli.main serve`` with a config file written for it
+(:func:`replica_config`): the user's config with ``parallel.data: 1`` (so it serves alone, as
+``parallel.tensor`` x ``parallel.pipeline`` ranks of its own), its own loopback port, its own
+devices, and ``backend.threads``, when unset, its ranks' share of this machine's cores (R
+replicas each taking every core would only slow one another down). Its output goes to the
+front end's stderr.
 """
 
 from __future__ import annotations
@@ -56,13 +57,20 @@ def cores() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-def replica_config(cfg: ZllmConfig, port: int, replicas: int) -> dict:
-    """The config of one of ``replicas`` replicas of ``cfg``, listening on ``port``."""
+def replica_config(cfg: ZllmConfig, index: int, port: int) -> dict:
+    """The config of replica ``index`` of ``cfg``, listening on ``port``: one replica
+    (``parallel.data: 1``) of ``parallel.tensor * parallel.pipeline`` ranks, on the devices
+    after those of the replicas before it, with ``backend.threads`` (per rank), when unset,
+    this machine's cores shared among every rank of every replica."""
+    par = cfg.parallel
+    ranks = par.tensor * par.pipeline
     data = config_to_dict(cfg)
+    data["parallel"]["data"] = 1
     data["server"]["host"] = REPLICA_HOST
     data["server"]["port"] = port
+    data["backend"]["device"] = (cfg.backend.device or 0) + index * ranks
     if data["backend"]["threads"] is None:
-        data["backend"]["threads"] = max(1, cores() // replicas)
+        data["backend"]["threads"] = max(1, cores() // (par.data * ranks))
     return data
 
 
@@ -80,20 +88,19 @@ class ReplicaSet:
 
     Args:
         cfg: the user's config (``model.path`` absolute, as :func:`zllm.spec.config.load_config`
-            returns it).
-        replicas: how many (``parallel.data``).
+            returns it); ``parallel.data`` replicas are started.
         log_level: uvicorn log level of every replica.
     """
 
-    def __init__(self, cfg: ZllmConfig, replicas: int, log_level: str = "warning"):
+    def __init__(self, cfg: ZllmConfig, log_level: str = "warning"):
         self._dir = tempfile.TemporaryDirectory(prefix="zllm-dp-")
         self.replicas: list[Replica] = []
         try:
-            for i in range(replicas):
+            for i in range(cfg.parallel.data):
                 port = free_port()
                 config = Path(self._dir.name) / f"replica-{i}.yaml"
                 # JSON is YAML; the file only lives as long as the replica set.
-                config.write_text(json.dumps(replica_config(cfg, port, replicas)))
+                config.write_text(json.dumps(replica_config(cfg, i, port)))
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "zllm.cli.main", "serve", "--config", str(config),
                      "--log-level", log_level],
