@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import anthropic
 import httpx
@@ -129,6 +130,46 @@ def test_health_and_metrics_describe_the_whole(dp):
     per_replica = [metrics[f'zllm_generation_tokens_total{{replica="{i}"}}'] for i in (0, 1)]
     assert all(n > 0 for n in per_replica)  # both replicas' own metrics, labelled
     assert metrics['zllm_dp_requests_total{route="/v1/completions",status="200"}'] >= 1
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_aborts_its_request_on_the_replica(dp, stream):
+    idle = dp.metrics()
+    # Tokens generated so far, finished or not (a request's first token has no gap before it).
+    generated = 'zllm_inter_token_latency_seconds_count{replica="%d"}'
+    body = {"model": dp.model, "prompt": [310 + stream, 42, 43], "max_tokens": 480, "ignore_eos": True,
+            "stream": stream}
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{dp.url}/v1/completions", json=body) as r:
+                replica = int(r.headers[REPLICA])
+                lines = r.iter_lines()
+                for _ in range(10):
+                    next(lines)
+                during = dp.metrics()
+                assert during[f'zllm_num_requests_running{{replica="{replica}"}}'] == 1
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{dp.url}/v1/completions", json=body, timeout=0.5)
+            assert wait_until(lambda: any(dp.metrics()[generated % i] > idle[generated % i] for i in (0, 1)))
+            now = dp.metrics()
+            replica = next(i for i in (0, 1) if now[generated % i] > idle[generated % i])
+    running = f'zllm_num_requests_running{{replica="{replica}"}}'
+    assert wait_until(lambda: dp.metrics()[running] == 0)
+    after = dp.metrics()
+    assert after[f'zllm_kv_blocks_running{{replica="{replica}"}}'] == 0
+    # Far fewer tokens than the 480 asked for: the replica stopped the sequence early.
+    assert after[generated % replica] - idle[generated % replica] < 400
+    assert all(r["requests_in_flight"] == 0 for r in replicas(dp))
 
 
 def test_a_killed_replica_fails_its_requests_with_503_and_the_other_keeps_serving(dp):

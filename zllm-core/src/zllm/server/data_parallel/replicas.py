@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +75,16 @@ def replica_config(cfg: ZllmConfig, index: int, port: int) -> dict:
     return data
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, have the kernel send it SIGTERM when the front end
+    dies, however it dies (prctl ``PR_SET_PDEATHSIG``), so no replica outlives it."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @attrs.define
 class Replica:
     """One running replica: its index, URL and process."""
@@ -104,7 +115,7 @@ class ReplicaSet:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "zllm.cli.main", "serve", "--config", str(config),
                      "--log-level", log_level],
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                 )
                 self.replicas.append(Replica(i, f"http://{REPLICA_HOST}:{port}", proc))
         except BaseException:
