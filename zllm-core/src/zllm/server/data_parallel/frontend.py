@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
@@ -122,6 +123,7 @@ def create_frontend_app(frontend: FrontEnd, max_body_bytes: int = MAX_BODY_BYTES
             HttpRoute("/{path:path}", _relay, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
         ],
         lifespan=_lifespan,
+        exception_handlers={StarletteHTTPException: _http_error, Exception: _internal_error},
     )
     app.state.zllm = frontend
     return _BodyLimit(_CountRequests(app), max_body_bytes)
@@ -158,6 +160,20 @@ class _CountRequests:
             await self.app(scope, receive, send_wrapper)
         finally:
             self.state.zllm.metrics.requests.labels(route_label(scope.get("path", "")), str(status["code"])).inc()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = "request_too_large" if exc.status_code == 413 else None
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 405:
+        message = f"method {request.method} not allowed on {request.url.path}"
+    return error_response(request.url.path, ApiError(exc.status_code, message, code=code), exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal error relaying %s", request.url.path)
+    return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
 def _frontend(request: Request) -> FrontEnd:
