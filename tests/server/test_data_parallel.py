@@ -132,6 +132,22 @@ def test_health_and_metrics_describe_the_whole(dp):
     assert metrics['zllm_dp_requests_total{route="/v1/completions",status="200"}'] >= 1
 
 
+def test_a_stored_response_is_found_and_continued_on_the_replica_that_holds_it(dp):
+    oai = client(dp)
+    served = []
+    for i in range(3):  # idle replicas take turns: without state routing, turns would alternate
+        raw = oai.responses.with_raw_response.create(model=dp.model, input=f"Tell me story {i}.",
+                                                      max_output_tokens=8)
+        first = raw.parse()
+        holder = int(raw.headers[REPLICA])
+        assert oai.responses.retrieve(first.id).id == first.id  # found whichever replica holds it
+        raw = oai.responses.with_raw_response.create(model=dp.model, input="And then?", max_output_tokens=8,
+                                                      previous_response_id=first.id)
+        assert raw.parse().output_text  # the replica found the stored conversation (else: 404)
+        served.append((holder, int(raw.headers[REPLICA])))
+    assert all(a == b for a, b in served) and {a for a, _ in served} == {0, 1}, served
+
+
 def wait_until(predicate, timeout_s: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -201,8 +217,7 @@ def test_a_killed_replica_fails_its_requests_with_503_and_the_other_keeps_servin
 
     waiting = threading.Thread(target=blocking_request)
     waiting.start()
-    while sum(r["requests_in_flight"] for r in replicas(dp)) < 3:
-        pass
+    assert wait_until(lambda: sum(r["requests_in_flight"] for r in replicas(dp)) == 3)
     victim = next(r["replica"] for r in replicas(dp) if r["requests_in_flight"] == 2)
     survivor = 1 - victim
     os.kill(pids[victim], signal.SIGKILL)
