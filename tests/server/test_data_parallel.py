@@ -194,17 +194,19 @@ def test_a_killed_replica_fails_its_requests_with_503_and_the_other_keeps_servin
     prompts = ["Once upon a time", "The little dog"]
     solo = [stream_text(dp, p, LONG_TOKENS, **long)[0] for p in prompts]
     oai = client(dp)
-    # Each stream's replica is frozen (SIGSTOP) as soon as the stream starts, so nothing
-    # finishes before the kill however fast the machine is.
+    # Each stream's replica is frozen (SIGSTOP) as soon as its first token has come through the
+    # front end, so nothing finishes before the kill however fast the machine is -- and the
+    # victim's stream, cut later, shows that token was relayed before the answer was complete.
     streams, served = [], []
     for p in prompts:
         cm = oai.completions.with_streaming_response.create(model=dp.model, prompt=p, max_tokens=LONG_TOKENS,
                                                             stream=True, extra_body=long)
         raw = cm.__enter__()
+        events = iter(raw.parse())
+        first = next(events).choices[0].text
         replica = int(raw.headers[REPLICA])
         os.kill(pids[replica], signal.SIGSTOP)
-        events = raw.parse()
-        streams.append((cm, events))
+        streams.append((cm, first, events))
         served.append(replica)
     assert sorted(served) == [0, 1]  # the second stream went to the less loaded replica
     outcome: dict[str, object] = {}
@@ -228,9 +230,9 @@ def test_a_killed_replica_fails_its_requests_with_503_and_the_other_keeps_servin
     assert err.body["code"] == "replica_failed" and f"replica {victim}" in err.body["message"]
 
     texts: list[str | Exception] = []
-    for cm, events in streams:
+    for cm, first, events in streams:
         try:
-            texts.append("".join(c.choices[0].text for c in events if c.choices))
+            texts.append(first + "".join(c.choices[0].text for c in events if c.choices))
         except openai.APIError as exc:
             texts.append(exc)
         finally:
