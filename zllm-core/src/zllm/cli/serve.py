@@ -30,12 +30,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = attrs.evolve(server, host=args.host or server.host,
                               port=args.port if args.port is not None else server.port)
         cfg = attrs.evolve(cfg, server=server)
-    _check_can_listen(server.host, server.port)
-    from zllm.engine.engine import Engine
+    from zllm.cli.ranks import is_rank_zero, start_engine
+
+    if is_rank_zero():
+        _check_can_listen(server.host, server.port)
     from zllm.server import create_app, served_model_name
     from zllm.server.uvicorn_server import serve
 
-    engine = Engine.from_config(cfg)
+    engine = start_engine(cfg)
+    if engine is None:  # a torchrun rank other than 0: it served its shard until rank 0 stopped
+        return 0
     app = create_app(engine)
     print(f"zllm: serving {served_model_name(engine)!r} on http://{server.host}:{server.port}", file=sys.stderr,
           flush=True)

@@ -1,0 +1,102 @@
+"""The parallel context: which shard of a model this process holds, and the collectives
+that join the shards (torch.distributed over the backend's process-group backend).
+
+A family receives a :class:`ParallelContext` in ``tensor_specs`` and ``build`` and calls
+its collectives from its forward; with :data:`SINGLE` (one process) every collective is the
+identity, so one layer code serves both. Collectives are what a backend provides: its
+``process_group_backend`` names torch's backend for them (``gloo`` on a CPU, ``nccl`` on
+CUDA and on ROCm, where RCCL answers to that name).
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, §3): a
+column-parallel weight is split by output rows, a row-parallel one by input columns and
+followed by :meth:`ParallelContext.all_reduce`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from zllm.spec.errors import ConfigError
+from zllm.spec.tensor_spec import Shard
+
+
+@attrs.frozen
+class ParallelContext:
+    """This process's place among the ranks of one engine replica.
+
+    Attributes:
+        tp_rank, tp_size: rank within the tensor-parallel group and that group's size.
+        group: the torch.distributed process group of the tensor-parallel ranks; ``None``
+            when ``tp_size`` is 1, or for a context that only plans shards (``tensor_specs``
+            checked before any process group exists) and never runs a collective.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``x`` over the tensor-parallel ranks (in place; returns ``x``)."""
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """``[R, N]`` from every rank, concatenated by rank along the last dimension: ``[R, tp_size * N]``."""
+        if self.tp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def split(self, size: int, dim: int = 0) -> Shard:
+        """This rank's equal share of a dimension of ``size`` (``size`` divisible by ``tp_size``)."""
+        assert size % self.tp_size == 0, (size, self.tp_size)
+        part = size // self.tp_size
+        return Shard(dim, self.tp_rank * part, part)
+
+    def padded_split(self, size: int, dim: int = 0) -> Shard:
+        """This rank's share when ``size`` is padded to a multiple of ``tp_size``: ranks hold
+        ``ceil(size / tp_size)`` rows each, the last ones fewer (possibly none) — a vocabulary
+        that does not divide."""
+        part = -(-size // self.tp_size)
+        start = min(self.tp_rank * part, size)
+        return Shard(dim, start, min(part, size - start))
+
+    def kv_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """``(first KV head, KV heads held)`` for this rank's query heads: an equal split
+        when ``num_kv_heads >= tp_size``, else the one KV head its query heads share
+        (replicated over ``tp_size / num_kv_heads`` ranks)."""
+        if num_kv_heads >= self.tp_size:
+            local = num_kv_heads // self.tp_size
+            return self.tp_rank * local, local
+        group = num_heads // num_kv_heads  # query heads per KV head
+        return self.tp_rank * (num_heads // self.tp_size) // group, 1
+
+
+SINGLE = ParallelContext()
+"""One process holding the whole model."""
+
+
+def check_tensor_parallel(tp_size: int, *, num_heads: int, num_kv_heads: int, source: str) -> None:
+    """Refuse a tensor-parallel size that does not fit a model's attention heads, before
+    any weight is read.
+
+    Raises:
+        ConfigError: (``parallel.tensor``) ``tp_size`` does not divide ``num_heads``, or
+            neither divides the other of ``tp_size`` and ``num_kv_heads``; names both numbers
+            and the checkpoint ``source``.
+    """
+    if num_heads % tp_size:
+        raise ConfigError("parallel.tensor", f"{tp_size} does not divide the {num_heads} attention heads of "
+                                             f"{source}; use a divisor of {num_heads}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ConfigError("parallel.tensor", f"{tp_size} and the {num_kv_heads} KV heads of {source} do not "
+                                             f"divide one another; KV heads are split when they are a multiple "
+                                             f"of it and replicated when it is a multiple of them")
