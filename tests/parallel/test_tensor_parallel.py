@@ -22,6 +22,7 @@ from tests.conftest import CONFIGS as CONFIG_DIR
 from tests.conftest import MODEL_DIR, REFERENCE_TEXT, write_config
 from tests.gguf_files import requantize
 from tests.parity.hf_models import PROMPT, save_widened
+from tests.parity.test_deepseek_vs_transformers import _save as save_deepseek
 from tests.parity.test_families_vs_transformers import _write_gguf
 from zllm.spec.config import load_config
 from zllm.spec.errors import ConfigError, TensorError
@@ -72,6 +73,18 @@ def test_two_ranks_give_one_rank_greedy_tokens_and_logits(tmp_path, case):
     config_cls, model_cls, overrides = CASES[case]
     path = tmp_path / case
     save_widened(path, model_cls, config_cls(**{**BASE, **overrides}), sum(map(ord, case)))
+    _check_two_ranks_match_one(tmp_path, path, overrides.get("vocab_size", 512))
+
+
+@pytest.mark.slow
+def test_deepseek_mla_moe_with_two_ranks_gives_one_rank_greedy_tokens_and_logits(tmp_path):
+    # q_lora, MoE layer with grouped routing, correction bias and a shared expert; the latent
+    # cache replicated, heads and every expert's width split.
+    _model, path = save_deepseek(tmp_path, "v3-moe-grouped-bias-norm")
+    _check_two_ranks_match_one(tmp_path, path, 512)
+
+
+def _check_two_ranks_match_one(tmp_path: Path, path: Path, vocab: int) -> None:
     (tmp_path / "tp1").mkdir()
     with zllm.Engine.from_config(write_config(tmp_path / "tp1", path)) as one:
         logits_1, tokens_1 = one.prompt_logits(PROMPT)[-1], _greedy(one)
@@ -79,7 +92,7 @@ def test_two_ranks_give_one_rank_greedy_tokens_and_logits(tmp_path, case):
     with zllm.Engine.from_config(write_config(tmp_path / "tp2", path, parallel={"tensor": 2})) as two:
         logits_2, tokens_2 = two.prompt_logits(PROMPT)[-1], _greedy(two)
     assert tokens_2 == tokens_1
-    assert logits_2.shape == logits_1.shape == (overrides.get("vocab_size", 512),)
+    assert logits_2.shape == logits_1.shape == (vocab,)
     torch.testing.assert_close(logits_2, logits_1, rtol=0, atol=1e-4 * logits_1.abs().max().item())
 
 

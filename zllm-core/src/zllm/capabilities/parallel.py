@@ -55,6 +55,31 @@ class ParallelContext:
         torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def embedding(self, ops: Any, weight: Any, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """``[T, C]`` embedding rows of ``token_ids`` ``[T]`` from this rank's vocabulary rows
+        ``weight`` (:meth:`padded_split` of ``vocab_size``): each rank looks the ids up in its
+        rows, zeroes the rows of ids it does not hold, and the ranks' rows are summed
+        (Megatron-LM's vocabulary-parallel embedding)."""
+        if self.tp_size == 1:
+            return ops.embedding(weight, token_ids)  # [T, C]
+        mine = self.padded_split(vocab_size)
+        local = token_ids - mine.start  # [T]
+        outside = (local < 0) | (local >= mine.size)
+        x = ops.embedding(weight, local.masked_fill(outside, 0))  # [T, C]
+        return self.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
+
+    def logits(self, ops: Any, x: torch.Tensor, lm_head: Any, vocab_size: int) -> torch.Tensor:
+        """f32 ``[S', V]`` logits of final-norm rows ``x`` ``[S', C]`` from this rank's
+        vocabulary rows of ``lm_head``: each rank's columns, padded to ``ceil(V / tp)``,
+        gathered, the padding cut."""
+        logits = ops.linear(x, lm_head)  # [S', V / tp]
+        if self.tp_size == 1:
+            return logits
+        width = -(-vocab_size // self.tp_size)
+        if logits.shape[1] < width:  # the last ranks of a vocabulary that does not divide
+            logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]))
+        return self.all_gather_columns(logits)[:, :vocab_size]  # [S', V]
+
     def split(self, size: int, dim: int = 0) -> Shard:
         """This rank's equal share of a dimension of ``size`` (``size`` divisible by ``tp_size``)."""
         assert size % self.tp_size == 0, (size, self.tp_size)

@@ -132,9 +132,6 @@ class LlamaModel:
             tuple(KVLayerSpec.gqa(kv_heads, spec.head_dim, window) for window in spec.layer_windows),
             attention_scale=spec.head_dim ** -0.5,
         )
-        vocab = parallel.padded_split(spec.vocab_size)
-        self._vocab_start, self._vocab_rows = vocab.start, vocab.size
-        self._vocab_part = -(-spec.vocab_size // parallel.tp_size)  # columns each rank's logits are padded to
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
@@ -163,7 +160,7 @@ class LlamaModel:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
         ops, eps = self.ops, self.spec.rms_norm_eps
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
-        residual = self.embedding(token_ids)  # [T, C]
+        residual = self.parallel.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # the spec guarantees >= 1 layer
@@ -178,27 +175,7 @@ class LlamaModel:
             else:  # only the logits rows are summed over the ranks
                 residual = self.parallel.all_reduce(mlp[logits_indices]) + residual[logits_indices]  # [S', C]
         x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
-        return self.logits(x)  # [S', V]
-
-    def embedding(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``[T, C]`` rows of the embedding; with tensor parallelism each rank looks up the
-        ids in its vocabulary rows, zeroes the others, and the ranks' rows are summed."""
-        if self.parallel.tp_size == 1:
-            return self.ops.embedding(self.embed, token_ids)  # [T, C]
-        local = token_ids - self._vocab_start  # [T]
-        outside = (local < 0) | (local >= self._vocab_rows)
-        x = self.ops.embedding(self.embed, local.masked_fill(outside, 0))  # [T, C]
-        return self.parallel.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """f32 ``[S', V]`` logits of final-norm rows ``x`` ``[S', C]``: each rank's vocabulary
-        columns, padded to an equal width, gathered, the padding cut."""
-        logits = self.ops.linear(x, self.lm_head)  # [S', V / tp]
-        if self.parallel.tp_size == 1:
-            return logits
-        if logits.shape[1] < self._vocab_part:  # the last ranks of a vocabulary that does not divide
-            logits = torch.nn.functional.pad(logits, (0, self._vocab_part - logits.shape[1]))
-        return self.parallel.all_gather_columns(logits)[:, : self.vocab_size]  # [S', V]
+        return self.parallel.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]
 
     def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
                   window: int | None) -> torch.Tensor:
