@@ -27,19 +27,48 @@ from zllm.spec.tensor_spec import Shard
 class ParallelContext:
     """This process's place among the ranks of one engine replica.
 
+    Ranks are numbered stage-major: global rank ``pp_rank * tp_size + tp_rank``.
+
     Attributes:
         tp_rank, tp_size: rank within the tensor-parallel group and that group's size.
         group: the torch.distributed process group of the tensor-parallel ranks; ``None``
             when ``tp_size`` is 1, or for a context that only plans shards (``tensor_specs``
             checked before any process group exists) and never runs a collective.
+
+        pp_rank, pp_size: this rank's pipeline stage and the number of stages.
     """
 
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None
+    pp_rank: int = 0
+    pp_size: int = 1
 
     def __attrs_post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)
+        assert 0 <= self.pp_rank < self.pp_size, (self.pp_rank, self.pp_size)
+
+    @property
+    def first_stage(self) -> bool:
+        """This rank's stage takes token ids (the embedding lives here)."""
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        """This rank's stage computes logits (final norm and ``lm_head`` live here)."""
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank of this rank's tensor-parallel peer in pipeline stage ``stage``."""
+        return stage * self.tp_size + self.tp_rank
+
+    def stage_layers(self, num_layers: int) -> range:
+        """This stage's contiguous layers: ``num_layers`` split into ``pp_size`` runs whose
+        lengths differ by at most one (the first stages take the extra layers)."""
+        assert num_layers >= self.pp_size, (num_layers, self.pp_size)
+        base, extra = divmod(num_layers, self.pp_size)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return range(start, start + base + (self.pp_rank < extra))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the tensor-parallel ranks (in place; returns ``x``)."""

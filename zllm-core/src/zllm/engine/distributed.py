@@ -19,6 +19,7 @@ plain ``zllm serve`` whose rank 0 spawns ranks ``1..N-1`` on this node itself
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import multiprocessing
 import os
@@ -89,9 +90,6 @@ def check_launch(cfg: ZllmConfig, launch: Launch) -> None:
         raise ConfigError("parallel.tensor", f"parallel.tensor {cfg.parallel.tensor} x parallel.pipeline "
                                              f"{cfg.parallel.pipeline} needs {cfg.parallel.world_size} processes, "
                                              f"but {launch.world_size} were started (torchrun --nproc-per-node)")
-    if cfg.parallel.pipeline > 1:
-        raise ConfigError("parallel.pipeline", f"{cfg.parallel.pipeline}: pipeline parallelism is not implemented "
-                                               f"yet; use parallel.pipeline: 1")
 
 
 def free_port() -> int:
@@ -111,9 +109,11 @@ def per_rank_config(cfg: ZllmConfig, launch: Launch) -> ZllmConfig:
     return attrs.evolve(cfg, backend=attrs.evolve(cfg.backend, threads=threads))
 
 
-def join_group(backend: object, backend_name: str, launch: Launch, timeout_s: float) -> ParallelContext:
+def join_group(backend: object, backend_name: str, launch: Launch, timeout_s: float,
+               tensor: int) -> ParallelContext:
     """Join the ranks' process group over the backend's collectives; blocks until every
-    rank joined or ``timeout_s`` passed.
+    rank joined or ``timeout_s`` passed. Ranks are numbered stage-major (``tensor`` ranks
+    per pipeline stage); each stage's ranks get their own tensor-parallel group.
 
     Raises:
         PluginError: the backend declares no ``process_group_backend`` (it provides no collectives).
@@ -131,7 +131,113 @@ def join_group(backend: object, backend_name: str, launch: Launch, timeout_s: fl
         raise ConfigError("parallel.timeout_s", f"rank {launch.rank} could not join the other "
                                                 f"{launch.world_size - 1} rank(s) at {launch.init_method} within "
                                                 f"{timeout_s:g} s: {exc}") from None
-    return ParallelContext(launch.rank, launch.world_size, dist.group.WORLD)
+    stages = launch.world_size // tensor
+    group = None
+    if tensor > 1:
+        group = dist.group.WORLD
+        if stages > 1:
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor))) for s in range(stages)]
+            group = groups[launch.rank // tensor]
+    return ParallelContext(launch.rank % tensor, tensor, group, launch.rank // tensor, stages)
+
+
+@attrs.frozen
+class MicroBatch:
+    """One micro-batch of a step: the rows ``rows`` of the flattened batch (whole sequences
+    ``seqs``), with its own attention metadata and logits rows (relative to ``rows``)."""
+
+    rows: slice
+    seqs: slice
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+def micro_batches(meta: AttentionMetadata, logits_indices: torch.Tensor, count: int) -> list[MicroBatch]:
+    """Split a step into at most ``count`` micro-batches of whole sequences, each with about
+    the same number of tokens; every rank splits the same step the same way.
+
+    ``logits_indices`` must be ascending (rows in batch order), so the micro-batches' logits,
+    concatenated, are the step's.
+    """
+    lens = meta.query_lens
+    total, count = sum(lens), max(1, min(count, len(lens)))
+    bounds, acc = [0], 0
+    for s, n in enumerate(lens[:-1]):
+        acc += n
+        if acc * count >= total * len(bounds) and len(bounds) < count:
+            bounds.append(s + 1)
+    bounds.append(len(lens))
+    rows = torch.tensor([0, *itertools.accumulate(lens)]).tolist()
+    idx = logits_indices.tolist()
+    assert idx == sorted(idx), "micro-batches need logits rows in batch order"
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        first, end = rows[a], rows[b]
+        mine = [i - first for i in idx if first <= i < end]
+        out.append(MicroBatch(
+            slice(first, end), slice(a, b),
+            AttentionMetadata(slot_mapping=meta.slot_mapping[first:end], block_tables=meta.block_tables[a:b],
+                              query_lens=lens[a:b], context_lens=meta.context_lens[a:b], scale=meta.scale),
+            torch.tensor(mine, dtype=torch.int64, device=logits_indices.device),
+        ))
+    return out
+
+
+class PipelineModel:
+    """One pipeline stage of a model: every rank of a ``parallel.pipeline`` > 1 job runs its
+    ``forward`` on every step (rank 0 through :class:`DriverModel`).
+
+    The step is split into up to ``pp_size`` micro-batches of whole sequences; for each, a
+    stage after the first receives the previous stage's hidden state and residual (f32
+    ``[T, C]`` each), runs its layers and sends them on without waiting for the receiver
+    (``isend``), so stage ``k`` computes micro-batch ``i + 1`` while stage ``k + 1`` computes
+    micro-batch ``i``. The last stage's tensor-parallel rank 0 sends each micro-batch's
+    logits to rank 0, which returns them concatenated; other ranks return None.
+    """
+
+    def __init__(self, model: Any, parallel: ParallelContext, device: torch.device):
+        self._model, self._par, self._device = model, parallel, device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, ...]], logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits f32 ``[S', V]`` on rank 0, None elsewhere."""
+        par, model = self._par, self._model
+        width = model.hidden_size
+        pending = []
+        logits = []
+        batches = micro_batches(meta, logits_indices, par.pp_size)
+        for mb in batches:
+            t = mb.rows.stop - mb.rows.start
+            hidden = None
+            if not par.first_stage:
+                hidden = (torch.empty(t, width, device=self._device), torch.empty(t, width, device=self._device))
+                for h in hidden:
+                    dist.recv(h, src=par.stage_rank(par.pp_rank - 1))
+            out = model.forward(token_ids[mb.rows], positions[mb.rows], mb.meta, kv_caches, mb.logits_indices,
+                                hidden=hidden)
+            if not par.last_stage:
+                pending += [dist.isend(h.contiguous(), dst=par.stage_rank(par.pp_rank + 1)) for h in out]
+            elif par.pp_rank == 0:
+                logits.append(out)
+            elif par.tp_rank == 0 and out.shape[0]:  # rank 0 knows which micro-batches have no logits rows
+                pending.append(dist.isend(out.contiguous(), dst=0))
+        if dist.get_rank() == 0 and not par.last_stage:
+            last = par.pp_size - 1
+            for mb in batches:
+                part = torch.empty(mb.logits_indices.shape[0], model.vocab_size, device=self._device)
+                if part.shape[0]:
+                    dist.recv(part, src=last * par.tp_size)
+                logits.append(part)
+        for work in pending:
+            if work is not None:  # None: torch completed the send already
+                work.wait()
+        if dist.get_rank() != 0:
+            return None
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
 
 
 class DriverModel:
@@ -184,6 +290,24 @@ def serve_steps(model: Any, kv_layers: list[Any], device: torch.device, scale: f
                                  query_lens=tuple(lens[:s]), context_lens=tuple(lens[s:]), scale=scale)
         with torch.inference_mode():
             model.forward(payload[:t], payload[t: 2 * t], meta, kv_layers, payload[3 * t: 3 * t + r])
+
+
+def check_same_window(window: int | None, device: torch.device) -> None:
+    """Refuse pipeline stages whose KV caches would evict differently: rank 0's allocator
+    frees blocks outside a sliding window only when every layer slides by the same window,
+    and it sees only its own stage's layers.
+
+    Raises:
+        ConfigError: (``parallel.pipeline``) the stages' evictable windows differ.
+    """
+    mine = torch.tensor([-1 if window is None else window], dtype=torch.int64, device=device)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if int(low.item()) != int(high.item()):
+        raise ConfigError("parallel.pipeline", "the stages mix sliding-window and full-attention layers (or "
+                                               "windows), which one KV block allocator cannot serve; use another "
+                                               "parallel.pipeline or 1")
 
 
 def agree_num_blocks(num_blocks: int, device: torch.device) -> int:

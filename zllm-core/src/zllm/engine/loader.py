@@ -24,7 +24,14 @@ from zllm.capabilities.parallel import SINGLE, ParallelContext
 from zllm.domain.family import FamilyInfo, model_kv_spec
 from zllm.domain.kv_cache import KVCacheSpec
 from zllm.domain.ops import without_retired
-from zllm.engine.distributed import Launch, agree_num_blocks, check_launch, join_group
+from zllm.engine.distributed import (
+    Launch,
+    PipelineModel,
+    agree_num_blocks,
+    check_launch,
+    check_same_window,
+    join_group,
+)
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
@@ -116,11 +123,15 @@ def _sharded_specs(family: Any, spec: object, parallel: ParallelContext, family_
         ConfigError: (``parallel.tensor``) the family has no tensor-parallel layer code, or
             its sizes do not fit (the family's own check).
     """
-    if parallel.tp_size == 1:
+    if parallel.tp_size == 1 and parallel.pp_size == 1:
         return family.tensor_specs(spec)
     if "parallel" not in inspect.signature(family.tensor_specs).parameters:
-        raise ConfigError("parallel.tensor", f"{parallel.tp_size}: model family {family_name!r} has no "
-                                             f"tensor-parallel layer code; use parallel.tensor: 1")
+        key, n = ("parallel.tensor", parallel.tp_size) if parallel.tp_size > 1 else ("parallel.pipeline",
+                                                                                      parallel.pp_size)
+        raise ConfigError(key, f"{n}: model family {family_name!r} has no parallel layer code; use {key}: 1")
+    if parallel.pp_size > 1 and not getattr(family, "pipeline_stages", False):
+        raise ConfigError("parallel.pipeline", f"{parallel.pp_size}: model family {family_name!r} has no "
+                                               f"pipeline-stage layer code; use parallel.pipeline: 1")
     return family.tensor_specs(spec, parallel=parallel)
 
 
@@ -145,7 +156,8 @@ def check_parallel_fits(cfg: ZllmConfig, host: PluginHost) -> None:
     present = set(ckpt.tensor_names())
     spec = family.parse_config(ckpt.config, str(ckpt.path))
     for rank in range(cfg.parallel.tensor):
-        specs = _sharded_specs(family, spec, ParallelContext(rank, cfg.parallel.tensor), info.name)
+        plan = ParallelContext(rank, cfg.parallel.tensor, pp_rank=0, pp_size=cfg.parallel.pipeline)
+        specs = _sharded_specs(family, spec, plan, info.name)
         for name, tspec in specs.items():
             if tspec.shard is not None and name in present:
                 shape, fmt = ckpt.tensor_shape_format(name)
@@ -176,7 +188,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     info = resolve_family(host, ckpt)
     family = info.load()
     spec = family.parse_config(ckpt.config, str(ckpt.path))
-    planned = ParallelContext(launch.rank, launch.world_size) if launch is not None else SINGLE
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    planned = ParallelContext(launch.rank % tp, tp, pp_rank=launch.rank // tp, pp_size=pp) if launch else SINGLE
     specs = _sharded_specs(family, spec, planned, info.name)
     present = set(ckpt.tensor_names())
     for name, tspec in specs.items():
@@ -190,7 +203,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     check_device_capabilities(backend, needed, choice.info.name, info.name)
     parallel = SINGLE
     if launch is not None:
-        parallel = join_group(backend, choice.info.name, launch, cfg.parallel.timeout_s)
+        parallel = join_group(backend, choice.info.name, launch, cfg.parallel.timeout_s, cfg.parallel.tensor)
         specs = _sharded_specs(family, spec, parallel, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
                    batch_invariant=cfg.runtime.batch_invariant, ops=host.ops)
@@ -206,8 +219,13 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
         on_start(sum(_nbytes(ckpt, n) for n in specs if n in present))
     weights = load_weights(ckpt, specs, cfg.model.dtype, on_tensor=on_tensor)
     weights = {k: _place(backend, v) for k, v in weights.items()}
-    model = family.build(spec, weights, ops) if parallel.tp_size == 1 else family.build(spec, weights, ops,
-                                                                                          parallel=parallel)
+    model: Any
+    if parallel is SINGLE:
+        model = family.build(spec, weights, ops)
+    else:
+        model = family.build(spec, weights, ops, parallel=parallel)
+    if parallel.pp_size > 1:
+        model = PipelineModel(model, parallel, backend.device)
     tokenizer = ckpt.load_tokenizer()
     if available is None:
         blocks = cfg.runtime.kv_cache.num_blocks
@@ -221,6 +239,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                                  device=str(backend.device))
     if launch is not None:
         blocks = agree_num_blocks(blocks, backend.device)
+        if parallel.pp_size > 1:
+            check_same_window(model_kv_spec(model).evictable_window, backend.device)
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
                        ctx, time.perf_counter() - t0, blocks, parallel)
 

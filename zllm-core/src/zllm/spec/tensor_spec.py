@@ -47,12 +47,15 @@ class TensorSpec:
         shard: the slice of the weight this process loads (tensor parallelism); ``None``
             loads it whole. :attr:`shape` stays the whole weight's shape, which is what the
             checkpoint is checked against.
+        elsewhere: another pipeline stage holds this weight: it is checked against the
+            checkpoint like every other, but not loaded here.
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_shape)
     formats: frozenset[str] | None = attrs.field(default=None, converter=_formats)
     optional: bool = False
     shard: Shard | None = None
+    elsewhere: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.shard is not None:

@@ -48,7 +48,8 @@ def load_weights(
         canonical name → dense ``torch.Tensor`` (file-mapped unless converted) or
         :class:`QuantizedTensor`, in checkpoint order; optional specs absent from the
         checkpoint are absent here. A spec with a ``shard`` gets only that slice
-        (:meth:`Checkpoint.tensor_slice`; the whole tensor is never read).
+        (:meth:`Checkpoint.tensor_slice`; the whole tensor is never read); one marked
+        ``elsewhere`` (another pipeline stage's) is checked and left out.
 
     Raises:
         ValueError: ``dtype`` is not one of :data:`LOAD_DTYPES`.
@@ -81,6 +82,8 @@ def load_weights(
 
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for name in names:
+        if specs[name].elsewhere:
+            continue
         shard = specs[name].shard
         weight = checkpoint.tensor(name) if shard is None else checkpoint.tensor_slice(name, shard)
         if dtype != "auto" and isinstance(weight, torch.Tensor):

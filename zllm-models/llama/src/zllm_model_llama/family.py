@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from zllm.plugin_api import (
     SINGLE,
     Capability,
@@ -44,13 +46,17 @@ class LlamaFamily:
 
     name = "llama"
     rules: ArchRules = LLAMA
+    pipeline_stages = True
+    """The layer code runs a contiguous range of layers (``parallel.pipeline``)."""
 
     def parse_config(self, config: dict[str, Any], source: str) -> LlamaSpec:
         return spec_from_config(config, source, self.rules)
 
     def tensor_specs(self, spec: LlamaSpec, parallel: ParallelContext = SINGLE) -> dict[str, TensorSpec]:
         """Every weight of ``spec``; with tensor parallelism, each with this rank's shard
-        (:func:`tensor_shards`).
+        (:func:`tensor_shards`); with pipeline parallelism, the weights of other stages'
+        layers (and the embedding, final norm and ``lm_head`` away from the first and last
+        stage) marked ``elsewhere``.
 
         Raises:
             ConfigError: ``parallel.tensor`` does not fit the model (:func:`check_fits`).
@@ -58,11 +64,14 @@ class LlamaFamily:
         check_fits(spec, parallel.tp_size)
         h, f, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
         vocab = parallel.padded_split(spec.vocab_size)
+        last, mine = parallel.last_stage, parallel.stage_layers(spec.num_layers)
+        embed_here = parallel.first_stage or (last and spec.tie_word_embeddings)
         specs = {
-            "model.embed_tokens.weight": TensorSpec((spec.vocab_size, h), shard=vocab),
-            "model.norm.weight": TensorSpec((h,)),
+            "model.embed_tokens.weight": TensorSpec((spec.vocab_size, h), shard=vocab, elsewhere=not embed_here),
+            "model.norm.weight": TensorSpec((h,), elsewhere=not last),
             # A tied checkpoint may still store lm_head.weight (equal to the embedding).
-            "lm_head.weight": TensorSpec((spec.vocab_size, h), optional=spec.tie_word_embeddings, shard=vocab),
+            "lm_head.weight": TensorSpec((spec.vocab_size, h), optional=spec.tie_word_embeddings, shard=vocab,
+                                         elsewhere=not last),
         }
         shapes = {
             "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
@@ -74,24 +83,31 @@ class LlamaFamily:
                 "mlp.down_proj": spec.mlp_bias}
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            specs[p + "input_layernorm.weight"] = TensorSpec((h,))
-            specs[p + "post_attention_layernorm.weight"] = TensorSpec((h,))
-            if spec.qk_norm:
-                specs[p + "self_attn.q_norm.weight"] = TensorSpec((spec.head_dim,))
-                specs[p + "self_attn.k_norm.weight"] = TensorSpec((spec.head_dim,))
-            moe_layer = spec.moe is not None and spec.moe.moe_layers[i]
-            for name, shape in shapes.items():
-                if moe_layer and name.startswith("mlp."):
-                    continue
-                shard = shards.get(name)
-                specs[p + name + ".weight"] = TensorSpec(shape, shard=shard)
-                if bias[name]:
-                    # A row-parallel layer's bias is added once, after the all-reduce.
-                    bias_shard = shard if shard is not None and shard.dim == 0 else None
-                    specs[p + name + ".bias"] = TensorSpec((shape[0],), shard=bias_shard)
-            if moe_layer:
-                assert spec.moe is not None
-                specs |= _moe_tensor_specs(spec.moe, p + spec.moe.prefix + ".", h, parallel)
+            layer_specs = self._layer_specs(spec, i, shapes, bias, shards, parallel)
+            specs |= {p + name: attrs.evolve(s, elsewhere=i not in mine) for name, s in layer_specs.items()}
+        return specs
+
+    def _layer_specs(self, spec: LlamaSpec, i: int, shapes: dict[str, tuple[int, int]], bias: dict[str, bool],
+                     shards: dict[str, Shard], parallel: ParallelContext) -> dict[str, TensorSpec]:
+        """Layer ``i``'s tensors, by name after ``model.layers.{i}.``."""
+        h = spec.hidden_size
+        specs = {"input_layernorm.weight": TensorSpec((h,)), "post_attention_layernorm.weight": TensorSpec((h,))}
+        if spec.qk_norm:
+            specs["self_attn.q_norm.weight"] = TensorSpec((spec.head_dim,))
+            specs["self_attn.k_norm.weight"] = TensorSpec((spec.head_dim,))
+        moe_layer = spec.moe is not None and spec.moe.moe_layers[i]
+        for name, shape in shapes.items():
+            if moe_layer and name.startswith("mlp."):
+                continue
+            shard = shards.get(name)
+            specs[name + ".weight"] = TensorSpec(shape, shard=shard)
+            if bias[name]:
+                # A row-parallel layer's bias is added once, after the all-reduce.
+                bias_shard = shard if shard is not None and shard.dim == 0 else None
+                specs[name + ".bias"] = TensorSpec((shape[0],), shard=bias_shard)
+        if moe_layer:
+            assert spec.moe is not None
+            specs |= _moe_tensor_specs(spec.moe, spec.moe.prefix + ".", h, parallel)
         return specs
 
     def required_capabilities(self, spec: LlamaSpec, weight_formats: dict[str, str]) -> frozenset[Capability]:
@@ -121,8 +137,9 @@ class LlamaFamily:
         layouts: list[str | None] = [None] * spec.num_layers
         if spec.moe is not None:
             formats = {name: "" for name in weights}
+            mine = parallel.stage_layers(spec.num_layers)
             for i, moe_layer in enumerate(spec.moe.moe_layers):
-                if moe_layer:
+                if moe_layer and i in mine:
                     layouts[i] = expert_layout(spec.moe, f"model.layers.{i}.{spec.moe.prefix}.", formats)[0]
         return LlamaModel(spec, weights, ops, tuple(layouts), parallel)
 

@@ -121,26 +121,30 @@ class LlamaModel:
     def __init__(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str | None, ...] = (),
                  parallel: ParallelContext = SINGLE):
         """``expert_layouts[i]``: how layer ``i``'s experts are stored (None: a dense FFN);
-        ``weights`` holds this rank's shards of ``parallel``."""
+        ``weights`` holds this rank's shards of ``parallel``, and with pipeline stages only
+        this stage's layers (:meth:`ParallelContext.stage_layers`)."""
         self.spec, self.ops, self.parallel = spec, ops, parallel
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
         self.context_length = spec.context_length
         kv_heads = parallel.kv_heads(spec.num_heads, spec.num_kv_heads)[1]
-        # K and V of this rank's Hkv heads per layer, each layer with its own window; scores scaled
-        # by D ** -0.5 (HF LlamaAttention.scaling; YaRN's factor scales cos/sin instead, as HF does).
+        mine = parallel.stage_layers(spec.num_layers)
+        self._windows = spec.layer_windows[mine.start: mine.stop]
+        # K and V of this rank's Hkv heads per layer of its stage, each layer with its own window; scores
+        # scaled by D ** -0.5 (HF LlamaAttention.scaling; YaRN's factor scales cos/sin instead, as HF does).
         self.kv_spec = KVCacheSpec(
-            tuple(KVLayerSpec.gqa(kv_heads, spec.head_dim, window) for window in spec.layer_windows),
+            tuple(KVLayerSpec.gqa(kv_heads, spec.head_dim, window) for window in self._windows),
             attention_scale=spec.head_dim ** -0.5,
         )
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
-        self.norm = weights["model.norm.weight"]
+        self.embed = weights.get("model.embed_tokens.weight")  # first stage, and a tied last one
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
+        self.norm = weights.get("model.norm.weight")
         layouts = expert_layouts or (None,) * spec.num_layers
         self.layers = [
             LlamaLayer.from_weights(weights, i, None if layout is None or spec.moe is None else
                                     MoeLayer.from_weights(weights, f"model.layers.{i}.{spec.moe.prefix}.", spec.moe,
                                                           layout, parallel))
-            for i, layout in enumerate(layouts)
+            for i, layout in zip(mine, layouts[mine.start: mine.stop], strict=True)
         ]
         self.rope_table = RopeTable(*rope_inv_freq(spec.head_dim, spec.rope), spec.context_length)  # [D2] rows
         # Plain ints for the per-layer code (the spec's properties would recompute them each call).
@@ -156,24 +160,33 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
-        ops, eps = self.ops, self.spec.rms_norm_eps
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``).
+
+        With pipeline stages: a stage after the first takes the previous stage's ``hidden``
+        (its last MLP output and residual, f32 ``[T, C]`` each) instead of embedding
+        ``token_ids``, and a stage before the last returns that pair for the next stage."""
+        ops, eps, par = self.ops, self.spec.rms_norm_eps, self.parallel
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
-        residual = self.parallel.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
-        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # the spec guarantees >= 1 layer
-        layers = zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)
+        if hidden is None:
+            residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
+            x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # a stage holds >= 1 layer
+        else:
+            x, residual = ops.add_rms_norm(hidden[0], hidden[1], self.layers[0].attn_norm, eps)
+        layers = zip(self.layers, self._windows, kv_caches, strict=True)
         for i, (layer, window, kv_cache) in enumerate(layers):
-            attn = self.parallel.all_reduce(self.attention(layer, x, cos, sin, meta, kv_cache, window))  # [T, C]
+            attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, kv_cache, window))  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
             mlp = self.mlp(layer, x)  # [T, C], this rank's partial sum
             if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(self.parallel.all_reduce(mlp), residual, self.layers[i + 1].attn_norm,
-                                               eps)
+                x, residual = ops.add_rms_norm(par.all_reduce(mlp), residual, self.layers[i + 1].attn_norm, eps)
+            elif not par.last_stage:
+                return par.all_reduce(mlp), residual  # [T, C] each, for the next stage
             else:  # only the logits rows are summed over the ranks
-                residual = self.parallel.all_reduce(mlp[logits_indices]) + residual[logits_indices]  # [S', C]
+                residual = par.all_reduce(mlp[logits_indices]) + residual[logits_indices]  # [S', C]
         x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
         return self.parallel.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]
 
