@@ -130,3 +130,23 @@ def test_each_replica_config_serves_alone_on_its_own_devices_and_port(tmp_path):
     assert second.backend.device == 2  # replica 0 has device 1
     assert second.backend.threads == max(1, cores() // 2)
     assert second.model == cfg.model and second.runtime == cfg.runtime and second.generation == cfg.generation
+
+
+@given(st.lists(st.tuples(st.sampled_from(["choose", "release", "take_out"]), st.integers(0, 3),
+                          st.lists(st.sampled_from(["user\nhi", "user\na cat", "assistant\nyes"]), max_size=3),
+                          st.integers(0, 2000)), max_size=40))
+def test_routes_go_to_live_replicas_and_loads_return_to_zero(ops):
+    router = Router(4)
+    open_routes = []
+    for op, index, segments, cost in ops:
+        if op == "choose" and any(router.alive):
+            route = router.choose(segments, cost)
+            assert router.alive[route.replica]
+            open_routes.append(route)
+        elif op == "release" and open_routes:
+            router.release(open_routes.pop(index % len(open_routes)))
+        elif op == "take_out" and sum(router.alive) > 1:
+            router.take_out(index)
+    for route in open_routes:
+        router.release(route)
+    assert router.load_tokens == [0] * 4 and router.in_flight == [0] * 4

@@ -97,9 +97,15 @@ class FrontEnd:
                       "left", index, self.urls[index], returncode, sum(self.router.alive), len(self.urls))
 
     def replica_exited_threadsafe(self, index: int, returncode: int) -> None:
-        """:meth:`replica_exited` from any thread (a replica's watcher)."""
+        """:meth:`replica_exited` from any thread (a replica's watcher); nothing once the
+        front end is stopping (it stopped the replicas, and its loop may be closed)."""
         assert self.loop is not None, "the app has not started"
-        self.loop.call_soon_threadsafe(self.replica_exited, index, returncode)
+        if self.stopping:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.replica_exited, index, returncode)
+        except RuntimeError:  # the loop closed after the check above: the front end has stopped
+            pass
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Run the shutdown callbacks (the replicas drain their own requests for ``timeout_s``)."""
