@@ -150,3 +150,19 @@ def test_routes_go_to_live_replicas_and_loads_return_to_zero(ops):
     for route in open_routes:
         router.release(route)
     assert router.load_tokens == [0] * 4 and router.in_flight == [0] * 4
+
+
+def test_a_cut_stream_ends_with_an_error_event_in_its_protocols_shape():
+    from zllm.server.data_parallel.frontend import _replica_failed, _stream_error
+
+    err = _replica_failed(1, ConnectionResetError("gone"))
+    anthropic_event = _stream_error("/v1/messages", err, 0).decode()
+    assert anthropic_event.startswith("event: error\ndata: ") and anthropic_event.endswith("\n\n")
+    body = json.loads(anthropic_event.split("data: ", 1)[1])
+    assert body == {"type": "error", "error": {"type": "overloaded_error", "message": err.message}}
+    openai_event = _stream_error("/v1/chat/completions", err, 0).decode()
+    body = json.loads(openai_event.removeprefix("data: "))
+    assert body["error"]["code"] == "replica_failed" and body["error"]["type"] == "server_error"
+    responses_event = _stream_error("/v1/responses", err, 7).decode()
+    body = json.loads(responses_event.split("data: ", 1)[1])
+    assert body["type"] == "error" and body["sequence_number"] == 7 and body["code"] == "replica_failed"
