@@ -19,6 +19,8 @@ import pytest
 
 from tests.server.conftest import Server, chat_model_dir, start_server
 
+pytestmark = pytest.mark.slow  # two replicas start: seconds of model loading each
+
 REPLICA = "x-zllm-replica"
 PROMPTS = [f"Once upon a time, {name} went to the {place}" for name in ("Lily", "Tom", "Sue", "Ben")
            for place in ("park", "sea", "shop", "woods")]

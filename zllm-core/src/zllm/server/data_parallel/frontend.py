@@ -28,6 +28,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -50,6 +51,10 @@ REPLICA_HEADER = "x-zllm-replica"
 """Response header naming the replica (its index) that answered."""
 
 CONNECT_TIMEOUT_S = 5.0
+
+CLIENT_GONE = 499
+"""Status counted in ``zllm_dp_requests_total`` for a request whose client left before its
+answer started (nginx's "client closed request"; nobody receives it)."""
 
 # Not relayed: hop-by-hop headers (RFC 9110 7.6.1), the length (the front end re-frames the
 # body) and what uvicorn sets for its own response.
@@ -226,7 +231,7 @@ async def _holder_of(fe: FrontEnd, response_id: str) -> int | None:
     for i, client in enumerate(fe.clients):
         if fe.router.alive[i]:
             try:
-                if (await client.get(f"/v1/responses/{response_id}")).status_code == 200:
+                if (await client.get(f"/v1/responses/{quote(response_id, safe='')}")).status_code == 200:
                     return i
             except httpx.TransportError:
                 continue
@@ -239,7 +244,7 @@ async def _relay(request: Request) -> Response:
     try:
         body = await request.body()
     except ClientDisconnect:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_GONE)
     view = read_request(path, body, fe.default_max_tokens) if request.method == "POST" else None
     holder = await _holder_of(fe, view.previous_response_id) if view and view.previous_response_id else None
     while True:
@@ -267,7 +272,7 @@ async def _relay(request: Request) -> Response:
             return error_response(path, _replica_failed(route.replica, exc))
         except ClientDisconnect:
             fe.router.release(route)
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_GONE)
         except BaseException:
             fe.router.release(route)
             raise
