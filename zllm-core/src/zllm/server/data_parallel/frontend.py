@@ -312,6 +312,8 @@ class _Relay:
     def __init__(self, router: Router, route: Route, upstream: httpx.Response, path: str):
         self.router, self.route, self.upstream, self.path = router, route, upstream, path
         self.event_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        # A Responses stream numbers its events; a last error event must carry the next number.
+        self.numbered = self.event_stream and path.rstrip("/") == "/v1/responses"
         self._closed = False
 
     def headers(self) -> dict[str, str]:
@@ -323,7 +325,7 @@ class _Relay:
         last_sequence = -1
         try:
             async for chunk in self.upstream.aiter_raw():
-                if self.event_stream:
+                if self.numbered:
                     numbers = _SEQUENCE_NUMBER.findall(chunk)
                     last_sequence = int(numbers[-1]) if numbers else last_sequence
                 yield chunk
