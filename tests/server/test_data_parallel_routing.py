@@ -166,3 +166,27 @@ def test_a_cut_stream_ends_with_an_error_event_in_its_protocols_shape():
     responses_event = _stream_error("/v1/responses", err, 7).decode()
     body = json.loads(responses_event.split("data: ", 1)[1])
     assert body["type"] == "error" and body["sequence_number"] == 7 and body["code"] == "replica_failed"
+
+
+def test_a_replica_that_exits_before_it_is_ready_stops_the_others(tmp_path, monkeypatch):
+    import socket
+
+    from tests.conftest import MODEL_DIR, write_config
+    from zllm.server.data_parallel import replicas
+    from zllm.spec.config import load_config
+
+    cfg = load_config(write_config(tmp_path, MODEL_DIR / "hf", parallel={"data": 2}))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        # Replica 1 is given a port already in use, so its `zllm serve` exits 2 at once.
+        ports = iter([replicas.free_port(), taken.getsockname()[1]])
+        monkeypatch.setattr(replicas, "free_port", lambda: next(ports))
+        replica_set = replicas.ReplicaSet(cfg)
+        try:
+            replica_set.wait_ready()
+        except replicas.ReplicaStartError as exc:
+            assert exc.index == 1 and exc.returncode == 2 and "replica 1" in str(exc)
+        else:
+            raise AssertionError("expected ReplicaStartError")
+        finally:
+            replica_set.stop()
+    assert all(r.process.poll() is not None for r in replica_set.replicas)
