@@ -190,3 +190,20 @@ def test_a_replica_that_exits_before_it_is_ready_stops_the_others(tmp_path, monk
         finally:
             replica_set.stop()
     assert all(r.process.poll() is not None for r in replica_set.replicas)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20)
+fields = st.sampled_from(["prompt", "messages", "input", "system", "tools", "instructions", "max_tokens",
+                          "max_completion_tokens", "max_output_tokens", "n", "previous_response_id"])
+
+
+@given(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/tokenize"]),
+       st.dictionaries(fields, json_values, max_size=6))
+def test_any_json_body_gets_a_routing_view(path, body):
+    # The front end never validates: whatever the body, it routes it and the replica answers.
+    view = read_request(path, json.dumps(body).encode(), 64)
+    assert view.cost_tokens >= 1 and all(isinstance(s, str) for s in view.segments)
+    Router(2).choose(view.segments, view.cost_tokens)
