@@ -188,6 +188,9 @@ def test_a_client_leaving_aborts_its_request_on_the_replica(dp, stream):
     # Far fewer tokens than the 480 asked for: the replica stopped the sequence early.
     assert after[generated % replica] - idle[generated % replica] < 400
     assert all(r["requests_in_flight"] == 0 for r in replicas(dp))
+    if not stream:  # counted as the client leaving, not as a front-end failure
+        gone = 'zllm_dp_requests_total{route="/v1/completions",status="499"}'
+        assert after[gone] == idle.get(gone, 0) + 1
 
 
 def test_a_killed_replica_fails_its_requests_with_503_and_the_other_keeps_serving(dp):

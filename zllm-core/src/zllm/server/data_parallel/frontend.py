@@ -290,13 +290,20 @@ async def _send_until_disconnect(request: Request, client: httpx.AsyncClient, bo
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        sending.cancel()
+        raise
     finally:
         gone.cancel()
-        if not sending.done():
-            sending.cancel()
-    if sending.cancelled():
-        raise ClientDisconnect()
-    return sending.result()
+    if sending.done():
+        return sending.result()
+    sending.cancel()
+    try:
+        late = await sending  # the answer may have started while the cancellation was on its way
+    except asyncio.CancelledError:
+        raise ClientDisconnect() from None
+    await late.aclose()
+    raise ClientDisconnect()
 
 
 async def _disconnected(request: Request) -> None:
