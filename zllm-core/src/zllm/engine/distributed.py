@@ -52,7 +52,6 @@ class Launch:
         local_rank, local_world_size: the same on this node (device index, share of cores).
         init_method: torch.distributed's rendezvous: ``env://`` under torchrun, or
             ``tcp://127.0.0.1:PORT`` for self-spawned ranks.
-        spawned: rank 0 started the other ranks itself (and reaps them).
     """
 
     rank: int
@@ -60,7 +59,6 @@ class Launch:
     local_rank: int
     local_world_size: int
     init_method: str
-    spawned: bool = False
 
 
 def launch_from_env(environ: Mapping[str, str]) -> Launch | None:
@@ -385,11 +383,11 @@ def spawn_workers(cfg: ZllmConfig) -> tuple[Launch, list[multiprocessing.process
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = []
     for rank in range(1, world):
-        launch = Launch(rank, world, rank, world, init, spawned=True)
+        launch = Launch(rank, world, rank, world, init)
         proc = ctx.Process(target=_spawned_worker, args=(config_to_dict(cfg), launch), name=f"zllm-rank-{rank}")
         proc.start()
         procs.append(proc)
-    return Launch(0, world, 0, world, init, spawned=True), procs
+    return Launch(0, world, 0, world, init), procs
 
 
 class RankGroup:
