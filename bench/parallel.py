@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [random_prompt(rng, args.prompt_tokens, info) for _ in range(args.batch)]
     clock = CollectiveClock()
     results: list[dict[str, Any]] = []
-    for name, tensor, pipeline in (("TP=1", 1, 1), ("TP=2", 2, 1)):
+    for name, tensor in (("TP=1", 1), ("TP=2", 2)):
         with zllm.Engine.from_config(config(path, args.threads, tensor=tensor)) as engine:
             decode_row(engine, prompt, 4, None)  # warm up
             row = median_rows([decode_row(engine, prompt, args.new_tokens, clock if tensor > 1 else None)
