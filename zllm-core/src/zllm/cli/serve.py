@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 
@@ -12,6 +13,9 @@ import attrs
 
 from zllm.spec.config import ZllmConfig, load_config
 from zllm.spec.errors import ConfigError
+
+EXIT_RANK_FAILED = 3
+"""``zllm serve``'s exit status when a rank of a parallel engine died or hung (2 is a user error)."""
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -43,10 +47,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = start_engine(cfg)
     if engine is None:  # a torchrun rank other than 0: it served its shard until rank 0 stopped
         return 0
+    if engine.ranks is not None:
+        # A rank that died or hung: the requests in flight were answered 503; stop serving
+        # (gracefully, as on SIGTERM) and exit non-zero below, naming the rank.
+        engine.ranks.on_failure = lambda _message: os.kill(os.getpid(), signal.SIGTERM)
     app = create_app(engine)
     print(f"zllm: serving {served_model_name(engine)!r} on http://{server.host}:{server.port}", file=sys.stderr,
           flush=True)
     serve(app, server.host, server.port, log_level=args.log_level, access_log=args.access_log)
+    engine.close()  # stops the other ranks, or finds one gone
+    if engine.ranks is not None and engine.ranks.failure is not None:
+        print(f"error: {engine.ranks.failure}; zllm serve stopped", file=sys.stderr, flush=True)
+        return EXIT_RANK_FAILED
     return 0
 
 

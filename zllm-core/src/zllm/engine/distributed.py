@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +52,6 @@ class Launch:
         local_rank, local_world_size: the same on this node (device index, share of cores).
         init_method: torch.distributed's rendezvous: ``env://`` under torchrun, or
             ``tcp://127.0.0.1:PORT`` for self-spawned ranks.
-        spawned: rank 0 started the other ranks itself (and reaps them).
     """
 
     rank: int
@@ -59,7 +59,6 @@ class Launch:
     local_rank: int
     local_world_size: int
     init_method: str
-    spawned: bool = False
 
 
 def launch_from_env(environ: Mapping[str, str]) -> Launch | None:
@@ -245,15 +244,30 @@ class DriverModel:
     runs this rank's shard (the others run theirs in :func:`run_worker`). Attributes other
     than ``forward`` are the wrapped model's."""
 
-    def __init__(self, model: Any, device: torch.device):
-        self._model, self._device = model, device
+    def __init__(self, model: Any, device: torch.device, on_error: Callable[[str], None] | None = None):
+        """``on_error``: told (a message) when a collective fails, before the error propagates."""
+        self._model, self._device, self._on_error = model, device, on_error
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]], logits_indices: torch.Tensor) -> torch.Tensor:
-        """As the wrapped model's ``forward``; the other ranks compute the same step."""
+        """As the wrapped model's ``forward``; the other ranks compute the same step.
+
+        Raises:
+            RuntimeError: from torch.distributed: another rank died (its connection closed) or
+                did not answer within ``parallel.timeout_s`` (hung).
+        """
+        try:
+            return self._step(token_ids, positions, meta, kv_caches, logits_indices)
+        except RuntimeError as exc:
+            if self._on_error is not None:
+                self._on_error(f"a collective with the other ranks failed ({exc}); a rank died or hung")
+            raise
+
+    def _step(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              kv_caches: list[tuple[torch.Tensor, ...]], logits_indices: torch.Tensor) -> torch.Tensor:
         s, width = meta.block_tables.shape
         header = torch.tensor([token_ids.shape[0], logits_indices.shape[0], s, width], dtype=torch.int64)
         lens = torch.tensor(meta.query_lens + meta.context_lens, dtype=torch.int64, device=token_ids.device)
@@ -310,6 +324,50 @@ def check_same_window(window: int | None, device: torch.device) -> None:
                                                "parallel.pipeline or 1")
 
 
+HEARTBEAT_S = 0.5
+"""Seconds between a rank's heartbeats in the process group's store (:func:`start_heartbeat`)."""
+
+
+def _store() -> Any:
+    # The key-value store the ranks met through (torchrun's agent store, or rank 0's TCPStore for
+    # self-spawned ranks); torch exposes it only through this accessor.
+    return dist.distributed_c10d._get_default_store()
+
+
+def start_heartbeat(rank: int) -> threading.Event:
+    """Bump key ``zllm/heartbeat/<rank>`` in the store every :data:`HEARTBEAT_S` from a daemon
+    thread, so rank 0 can name a rank that died or hung (:func:`silent_ranks`); set the
+    returned event to stop."""
+    stop = threading.Event()
+    store = _store()
+
+    def beat() -> None:
+        n = 0
+        while not stop.wait(HEARTBEAT_S):
+            n += 1
+            try:
+                store.set(f"zllm/heartbeat/{rank}", str(n))
+            except Exception:  # noqa: BLE001 - the store is gone with the job; nothing left to tell
+                return
+
+    threading.Thread(target=beat, name="zllm-heartbeat", daemon=True).start()
+    return stop
+
+
+def silent_ranks(world_size: int) -> list[int]:
+    """Ranks ``1..world_size-1`` whose heartbeat did not move over four beats (dead or hung);
+    compares each rank's own counter, so clocks of other nodes do not matter. Takes
+    ``4 * HEARTBEAT_S`` seconds; [] when the store cannot be read."""
+    try:
+        store = _store()
+        keys = {r: f"zllm/heartbeat/{r}" for r in range(1, world_size)}
+        first = {r: store.get(k) if store.check([k]) else None for r, k in keys.items()}
+        time.sleep(4 * HEARTBEAT_S)
+        return [r for r, k in keys.items() if (store.get(k) if store.check([k]) else None) == first[r]]
+    except Exception:  # noqa: BLE001 - a store that is gone names nobody; the caller reports the error itself
+        return []
+
+
 def agree_num_blocks(num_blocks: int, device: torch.device) -> int:
     """The fewest KV blocks any rank can hold (each sized its cache from its own memory)."""
     n = torch.tensor([num_blocks], dtype=torch.int64, device=device)
@@ -325,30 +383,33 @@ def spawn_workers(cfg: ZllmConfig) -> tuple[Launch, list[multiprocessing.process
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = []
     for rank in range(1, world):
-        launch = Launch(rank, world, rank, world, init, spawned=True)
+        launch = Launch(rank, world, rank, world, init)
         proc = ctx.Process(target=_spawned_worker, args=(config_to_dict(cfg), launch), name=f"zllm-rank-{rank}")
         proc.start()
         procs.append(proc)
-    return Launch(0, world, 0, world, init, spawned=True), procs
+    return Launch(0, world, 0, world, init), procs
 
 
 class RankGroup:
     """Rank 0's hold on the other ranks: the :class:`DriverModel` that feeds them each step,
     the processes it spawned (none under torchrun), and a watchdog over those processes.
 
-    The watchdog notices a spawned rank that exits while the engine runs, logs an error
-    naming it and its exit code, and calls ``on_failure`` with that message (the server
-    answers the requests in flight 503 and exits non-zero). Rank 0's own collectives fail
-    meanwhile with torch's error (peer closed, or ``parallel.timeout_s`` passed), so a dead
-    or hung rank never hangs the engine.
+    The watchdog notices a spawned rank that exits while the engine runs; rank 0's own
+    collectives fail with torch's error when a rank dies (peer closed) or hangs
+    (``parallel.timeout_s``), so a dead or hung rank never hangs the engine: the step raises,
+    the engine loop ends every live request with an error (the server answers 503). Either
+    way :meth:`fail` logs the first failure, naming the rank and its exit code where a
+    spawned one exited, and calls ``on_failure`` (``zllm serve`` then stops and exits
+    non-zero).
     """
 
     def __init__(self, model: Any, device: torch.device, procs: list[multiprocessing.process.BaseProcess]):
-        self.driver = DriverModel(model, device)
+        self.driver = DriverModel(model, device, on_error=self.fail)
         self.procs = procs
         self.failure: str | None = None
-        """The first rank failure the watchdog saw, or None."""
+        """The first failure seen (a message naming the rank where it is known), or None."""
         self.on_failure: Callable[[str], None] | None = None
+        self._lock = threading.Lock()
         self._closing = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="zllm-rank-watchdog", daemon=True)
         if procs:
@@ -356,26 +417,62 @@ class RankGroup:
 
     def _watch(self) -> None:
         while not self._closing.wait(0.2):
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.exitcode is not None:
-                    self.failure = f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                    log.error("zllm: %s; the engine cannot run without it", self.failure)
-                    if self.on_failure is not None:
-                        self.on_failure(self.failure)
-                    return
+            exited = self._exited()
+            if exited:
+                self.fail(exited)
+                return
+
+    def _exited(self) -> str | None:
+        """Which spawned rank has exited, and how, or None."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def _culprit(self, message: str) -> str:
+        """``message`` naming the failed rank: a spawned one that exited, else those whose
+        heartbeat stopped (torchrun's ranks; a hung one)."""
+        exited = self._exited()
+        if exited is not None:
+            return exited
+        silent = silent_ranks(dist.get_world_size()) if dist.is_initialized() else []
+        if silent:
+            names = ", ".join(map(str, silent))
+            return f"rank {names} stopped answering (no heartbeat for {4 * HEARTBEAT_S:g} s): {message}"
+        return message
+
+    def fail(self, message: str) -> None:
+        """Record and report the first failure (later ones are consequences): a spawned rank
+        found exited is named even when a failed collective reported first."""
+        if self.procs and self._exited() is None:
+            # A dying rank's connection closes before the OS reports its exit: wait a moment,
+            # so the message names the rank rather than only the broken connection.
+            time.sleep(0.5)
+        culprit = self._culprit(message)
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = culprit
+        log.error("zllm: %s; the engine cannot run without it", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def close(self) -> None:
         """Stop the other ranks (they leave their loop and exit 0), reap spawned ones, and
-        leave the process group. Idempotent."""
+        leave the process group; a rank found gone is recorded in :attr:`failure`. Idempotent."""
         if self._closing.is_set():
             return
         self._closing.set()
         if self.failure is None and dist.is_initialized():
             try:
                 self.driver.stop_workers()
-            except RuntimeError as exc:  # a rank already gone: nothing to tell it
-                log.warning("zllm: could not stop the other ranks: %s", exc)
-        self.reap(self.procs)
+            except RuntimeError as exc:  # a rank already gone (torchrun stops every rank when one fails)
+                culprit = self._culprit(f"could not stop the other ranks ({exc}); a rank died or hung")
+                with self._lock:
+                    self.failure = culprit
+                log.error("zllm: %s", self.failure)
+        # A failed job's ranks may be hung (a stopped process never exits): do not wait long.
+        self.reap(self.procs, timeout_s=10.0 if self.failure is None else 1.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 

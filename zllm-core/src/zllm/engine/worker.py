@@ -8,7 +8,7 @@ import logging
 import torch.distributed as dist
 
 from zllm.domain.family import model_kv_spec
-from zllm.engine.distributed import Launch, per_rank_config, serve_steps
+from zllm.engine.distributed import Launch, per_rank_config, serve_steps, start_heartbeat
 from zllm.engine.engine import plugin_allowlist_from_env
 from zllm.engine.loader import kv_cache_dtype, load_model
 from zllm.plugins.host import PluginHost
@@ -35,7 +35,9 @@ def run_worker(cfg: ZllmConfig, launch: Launch, host: PluginHost | None = None) 
                       device=loaded.backend.device)
     log.info("rank %d of %d: shard loaded in %.1f s, serving steps", launch.rank, launch.world_size,
              loaded.load_seconds)
+    heartbeat = start_heartbeat(launch.rank)
     try:
         serve_steps(loaded.model, kv.layers, loaded.backend.device, kv_spec.attention_scale)
     finally:
+        heartbeat.set()
         dist.destroy_process_group()
