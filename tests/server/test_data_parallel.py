@@ -150,6 +150,28 @@ def test_a_stored_response_is_found_and_continued_on_the_replica_that_holds_it(d
     assert all(a == b for a, b in served) and {a for a, _ in served} == {0, 1}, served
 
 
+def test_a_replica_refusing_connections_is_taken_out_and_the_request_goes_to_another(dp):
+    import asyncio
+
+    from zllm.server.data_parallel.frontend import FrontEnd, create_frontend_app
+    from zllm.server.data_parallel.replicas import free_port
+
+    # An in-process front end over a port nothing listens on (replica 0, first in turn) and
+    # one of the running replicas: the refused request was never seen, so replica 1 takes it.
+    frontend = FrontEnd([f"http://127.0.0.1:{free_port()}", replicas(dp)[0]["url"]], default_max_tokens=16)
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_frontend_app(frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://dp") as http:
+            reply = await http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+        await frontend.aclose()
+        return reply
+
+    reply = asyncio.run(ask())
+    assert reply.status_code == 200 and reply.headers[REPLICA] == "1" and reply.json()["choices"][0]["text"]
+    assert frontend.router.alive == [False, True] and frontend.router.in_flight == [0, 0]
+
+
 def wait_until(predicate, timeout_s: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

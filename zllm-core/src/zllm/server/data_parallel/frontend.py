@@ -93,13 +93,18 @@ class FrontEnd:
         self.stopping = False
 
     def replica_exited(self, index: int, returncode: int) -> None:
-        """Take replica ``index`` out of rotation (call on the event loop)."""
+        """Take replica ``index``, whose process exited with ``returncode``, out of rotation
+        (call on the event loop)."""
+        self.take_out(index, f"exited with status {returncode}")
+
+    def take_out(self, index: int, why: str) -> None:
+        """Stop routing to replica ``index`` and log ``why`` (once; not while stopping)."""
         if self.router.alive[index]:
             self.router.take_out(index)
             if self.stopping:
                 return
-            log.error("data-parallel replica %d (%s) exited with status %d; taken out of rotation, %d of %d "
-                      "left", index, self.urls[index], returncode, sum(self.router.alive), len(self.urls))
+            log.error("data-parallel replica %d (%s) %s; taken out of rotation, %d of %d left", index,
+                      self.urls[index], why, sum(self.router.alive), len(self.urls))
 
     def replica_exited_threadsafe(self, index: int, returncode: int) -> None:
         """:meth:`replica_exited` from any thread (a replica's watcher); nothing once the
@@ -260,11 +265,11 @@ async def _relay(request: Request) -> Response:
         fe.metrics.routed.labels(str(route.replica), route.reason).inc()
         try:
             upstream = await _send_until_disconnect(request, fe.clients[route.replica], body)
-        except httpx.ConnectError:
+        except httpx.ConnectError as exc:
             # Refused: the replica is gone (its watcher may not have said so yet) and never
             # saw the request, so another replica can take it.
             fe.router.release(route)
-            fe.replica_exited(route.replica, -1)
+            fe.take_out(route.replica, f"refused a connection ({exc})")
             holder = None
             continue
         except httpx.TransportError as exc:
