@@ -16,7 +16,7 @@ GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backe
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-serve bench-grammar bench-speculative compat clean
+.PHONY: run test bench bench-serve bench-grammar bench-speculative bench-parallel compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ bench: $(VENV)/.installed-test
 BENCH_SPECULATIVE_ARGS ?=
 bench-speculative: $(VENV)/.installed-test
 	$(BIN)/python bench/speculative.py $(BENCH_SPECULATIVE_ARGS)
+
+BENCH_PARALLEL_ARGS ?=
+bench-parallel: $(VENV)/.installed-test
+	$(BIN)/python bench/parallel.py $(BENCH_PARALLEL_ARGS)
 
 BENCH_SERVE_ARGS ?=
 bench-serve: $(VENV)/.installed-test

@@ -23,6 +23,8 @@ class CpuBackend:
 
     name = "cpu"
     device = torch.device("cpu")
+    process_group_backend = "gloo"
+    """torch.distributed's backend for the collectives of several ranks (``parallel``)."""
 
     def __init__(self, threads: int | None = None, device: str | None = None):
         if device not in (None, "cpu"):

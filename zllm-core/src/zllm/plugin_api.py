@@ -12,6 +12,7 @@ and implement hooks from :mod:`zllm.plugins.hookspecs` decorated with :data:`hoo
 from zllm.capabilities import Capability
 from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
+from zllm.capabilities.parallel import SINGLE, ParallelContext, check_tensor_parallel
 from zllm.domain.family import FamilyInfo, KVCacheShape
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
 from zllm.domain.mla import MlaConfig, mla_config_from_hf
@@ -36,8 +37,8 @@ from zllm.domain.rope import (
 )
 from zllm.kernels.registry import KernelRegistry
 from zllm.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
-from zllm.spec.errors import CheckpointError
-from zllm.spec.tensor_spec import TensorSpec
+from zllm.spec.errors import CheckpointError, ConfigError
+from zllm.spec.tensor_spec import Shard, TensorSpec
 from zllm.weights.formats import (
     BLOCK_LAYOUTS,
     DTYPE_OF_FORMAT,
@@ -57,6 +58,7 @@ __all__ = [
     "CORE_CAPABILITIES",
     "Capability",
     "CheckpointError",
+    "ConfigError",
     "ConfigKey",
     "DTYPE_OF_FORMAT",
     "FORMATS",
@@ -80,7 +82,11 @@ __all__ = [
     "SamplingRow",
     "SharedExperts",
     "TensorSpec",
+    "ParallelContext",
+    "SINGLE",
+    "Shard",
     "WeightFormat",
+    "check_tensor_parallel",
     "default_inv_freq",
     "dequantize",
     "format_of",

@@ -66,6 +66,7 @@ def test_minimal_config_takes_every_default(base: dict[str, Any], ckpt_dir: Path
     assert cfg.generation == GenerationDefaults()
     assert cfg.generation.max_new_tokens == 256 and cfg.generation.temperature == 0.0
     assert (cfg.server.host, cfg.server.port, cfg.server.served_model_name) == ("127.0.0.1", 8000, None)
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data, cfg.backend.device) == (1, 1, 1, None)
 
 
 def test_load_config_resolves_relative_path_against_the_file(tmp_path: Path) -> None:
@@ -190,6 +191,12 @@ BAD_VALUES = [
     ("server.port", 65536, "expected an int in 1..65535, got 65536"),
     ("server.port", "8000", "expected an int in 1..65535, got '8000'"),
     ("server.served_model_name", "", "expected a non-empty string or null, got ''"),
+    ("backend.device", -1, "expected an int >= 0 or null, got -1"),
+    ("backend.device", "cuda:1", "expected an int >= 0 or null, got 'cuda:1'"),
+    ("parallel.tensor", 0, "expected a positive int, got 0"),
+    ("parallel.pipeline", "2", "expected a positive int, got '2'"),
+    ("parallel.data", True, "expected a positive int, got True"),
+    ("parallel.timeout_s", 0, "expected a number > 0, got 0.0"),
 ]
 
 
@@ -458,3 +465,11 @@ def test_the_target_model_section_keeps_its_key_path_beside_a_draft(ckpt_dir: Pa
         with pytest.raises(ConfigError) as exc:
             config_from_dict({"model": model, "speculative": speculative})
         assert exc.value.path == path
+
+
+def test_parallel_ranks_refuse_speculative_decoding_naming_both_keys(base: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({**base, "parallel": {"tensor": 2}, "speculative": {"method": "ngram"}})
+    assert exc.value.path == "parallel.tensor"
+    assert "speculative.method: ngram" in str(exc.value)
+    assert config_from_dict({**base, "parallel": {"data": 2}, "speculative": {"method": "ngram"}}).parallel.data == 2

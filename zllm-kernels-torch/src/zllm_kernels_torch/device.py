@@ -67,6 +67,8 @@ class TorchCudaBackend(TorchDeviceBackend):
     """
 
     device_type = "cuda"
+    process_group_backend = "nccl"
+    """torch.distributed's backend for several ranks (``parallel``): NCCL, which ROCm's RCCL also answers to."""
 
     def __init__(self, threads: int | None = None, device: str | None = None):
         super().__init__(threads, device)

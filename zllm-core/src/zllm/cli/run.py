@@ -55,10 +55,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--system", "applies only with --chat")
     # Check the config before importing the engine (torch): config mistakes fail fast.
     cfg = _overrides(load_config(args.config), args)
-    from zllm.engine.engine import Engine
+    from zllm.cli.ranks import start_engine
 
     on_start, on_tensor = _progress()
-    engine = Engine.from_config(cfg, on_start=on_start, on_tensor=on_tensor)
+    engine = start_engine(cfg, on_start=on_start, on_tensor=on_tensor)
+    if engine is None:  # a torchrun rank other than 0: it ran its shard until rank 0 stopped
+        return 0
     if args.explain:
         _explain(engine)
     if args.chat:

@@ -17,6 +17,7 @@ import torch
 
 from zllm.capabilities import Capability
 from zllm.capabilities.ops import AttentionMetadata
+from zllm.capabilities.parallel import SINGLE, ParallelContext
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec
 from zllm.spec.errors import PluginError
 from zllm.spec.tensor_spec import TensorSpec
@@ -193,10 +194,17 @@ class ModelFamily(Protocol):
         """
         ...
 
-    def tensor_specs(self, spec: Any) -> dict[str, TensorSpec]:
-        """Every tensor the model reads, by canonical (HF) name."""
+    def tensor_specs(self, spec: Any, parallel: ParallelContext = SINGLE) -> dict[str, TensorSpec]:
+        """Every tensor the model reads, by canonical (HF) name.
+
+        ``parallel`` (opt-in: a family whose method lacks the argument runs on one rank only,
+        and ``parallel.tensor`` > 1 is refused naming it): this rank's place; each spec
+        carries the ``shard`` the rank loads. Raises ConfigError (``parallel.tensor``) when
+        the model's sizes cannot be split that way."""
         ...
 
-    def build(self, spec: Any, weights: dict[str, Any], ops: Any) -> Model:
-        """Bind loaded weights and bound kernels into a runnable model."""
+    def build(self, spec: Any, weights: dict[str, Any], ops: Any, parallel: ParallelContext = SINGLE) -> Model:
+        """Bind loaded weights and bound kernels into a runnable model; with ``parallel``
+        (opt-in as for :meth:`tensor_specs`) the weights are this rank's shards and the
+        model's forward calls the context's collectives."""
         ...

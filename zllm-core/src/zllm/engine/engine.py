@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
 import os
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
@@ -21,8 +22,9 @@ import attrs
 
 from zllm.domain.family import Model, model_kv_spec, model_mtp
 from zllm.engine.chat_output import ChatAnswer, output_parser, prompt_in_reasoning
+from zllm.engine.distributed import Launch, RankGroup, per_rank_config, spawn_workers
 from zllm.engine.draft import load_draft
-from zllm.engine.loader import LoadedModel, kv_cache_dtype, load_model
+from zllm.engine.loader import LoadedModel, check_parallel_fits, kv_cache_dtype, load_model
 from zllm.engine.loop import EngineLoop, RequestHandle
 from zllm.engine.structured import StructuredOutput
 from zllm.engine.tool_parsers import resolve_format
@@ -95,10 +97,17 @@ def _mtp_proposer(loaded: LoadedModel) -> MtpProposer:
     return MtpProposer(mtp, kv, loaded.backend.device, min(model.vocab_size, loaded.tokenizer.vocab_size))
 
 
+def _close(loop: EngineLoop, ranks: RankGroup | None) -> None:
+    loop.close()
+    if ranks is not None:
+        ranks.close()
+
+
 class Engine:
     """A loaded model ready to generate. Build it with :meth:`from_config`."""
 
-    def __init__(self, loaded: LoadedModel, host: PluginHost):
+    def __init__(self, loaded: LoadedModel, host: PluginHost, ranks: RankGroup | None = None):
+        """``ranks``: the other ranks when ``loaded`` is rank 0's shard (:meth:`from_config` joins them)."""
         self.loaded, self.host = loaded, host
         cfg = loaded.config
         kv_spec = model_kv_spec(loaded.model)
@@ -117,7 +126,7 @@ class Engine:
                 f"be allocated on {loaded.backend.device}",
             ) from exc
         self.llm = LLMEngine(
-            loaded.model, loaded.ops, loaded.tokenizer, kv, loaded.eos_token_ids,
+            loaded.model if ranks is None else ranks.driver, loaded.ops, loaded.tokenizer, kv, loaded.eos_token_ids,
             max_num_seqs=cfg.runtime.max_num_seqs, max_prefill_tokens=cfg.runtime.max_prefill_tokens,
             prefix_cache_seqs=cfg.runtime.prefix_cache_seqs, context_length=loaded.context_length,
             device=loaded.backend.device, max_batch_tokens=cfg.runtime.max_batch_tokens,
@@ -129,7 +138,9 @@ class Engine:
         read runtime state through ``loop.call`` while requests run."""
         # Stops the loop thread when the engine is closed, collected or the interpreter exits;
         # it holds the loop, never the engine, so an unclosed engine is still collected.
-        self._finalizer = weakref.finalize(self, self.loop.close)
+        self._finalizer = weakref.finalize(self, _close, self.loop, ranks)
+        self.ranks = ranks
+        """The other ranks of a parallel engine (``parallel.tensor`` > 1), else None."""
         self.tool_format = resolve_format(cfg.server.tool_parser, loaded.tokenizer.chat_template)
         """The chat format tool calls are read in (``server.tool_parser``), or None."""
         self.structured = StructuredOutput(loaded.tokenizer, self.llm.sample_width, loaded.eos_token_ids,
@@ -140,14 +151,20 @@ class Engine:
     def from_config(cls, config: ZllmConfig | Mapping[str, Any] | str | os.PathLike[str], *,
                     host: PluginHost | None = None,
                     on_tensor: Callable[[str, int], None] | None = None,
-                    on_start: Callable[[int], None] | None = None) -> Engine:
+                    on_start: Callable[[int], None] | None = None,
+                    launch: Launch | None = None) -> Engine:
         """Load the model a config names.
+
+        With ``parallel.tensor`` > 1 this process becomes rank 0: under torchrun (``launch``
+        read from its environment, :func:`zllm.engine.distributed.launch_from_env`) the other
+        ranks are torchrun's; without ``launch`` it starts them itself on this node.
 
         Args:
             config: a :class:`ZllmConfig`, a config mapping (as a parsed YAML file; a relative
                 ``model.path`` is taken from the current directory) or the path of a YAML file.
             host: a plugin host; default discovers installed plugins, honouring ``ZLLM_PLUGINS``.
             on_start, on_tensor: load-progress callbacks (total bytes; each tensor).
+            launch: rank 0's place under torchrun; None = one process, or self-spawned ranks.
 
         Raises:
             ZllmError subclasses for every user error (config, checkpoint, capability, plugin).
@@ -163,7 +180,20 @@ class Engine:
                 "", f"expected a ZllmConfig, a config mapping or a YAML file path, got {type(config).__name__}"
             )
         host = host or PluginHost(allowlist=plugin_allowlist_from_env())
-        return cls(load_model(cfg, host, on_tensor=on_tensor, on_start=on_start), host)
+        if cfg.parallel.world_size == 1 and launch is None:
+            return cls(load_model(cfg, host, on_tensor=on_tensor, on_start=on_start), host)
+        procs: list[multiprocessing.process.BaseProcess] = []
+        if launch is None:
+            check_parallel_fits(cfg, host)  # refuse bad sizes before any process starts
+            launch, procs = spawn_workers(cfg)
+        assert launch.rank == 0, "ranks other than 0 run zllm.engine.worker.run_worker"
+        try:
+            loaded = load_model(per_rank_config(cfg, launch), host, on_tensor=on_tensor, on_start=on_start,
+                                launch=launch)
+        except BaseException:
+            RankGroup.reap(procs)
+            raise
+        return cls(loaded, host, RankGroup(loaded.model, loaded.backend.device, procs))
 
     @property
     def config(self) -> ZllmConfig:

@@ -8,9 +8,11 @@ select the backend (capability check) -> construct it and check what its device 
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import psutil
@@ -18,9 +20,18 @@ import torch
 
 from zllm.capabilities import Capability
 from zllm.capabilities.backend import Backend
+from zllm.capabilities.parallel import SINGLE, ParallelContext
 from zllm.domain.family import FamilyInfo, model_kv_spec
 from zllm.domain.kv_cache import KVCacheSpec
 from zllm.domain.ops import without_retired
+from zllm.engine.distributed import (
+    Launch,
+    PipelineModel,
+    agree_num_blocks,
+    check_launch,
+    check_same_window,
+    join_group,
+)
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import BackendChoice, select_backend
@@ -33,8 +44,10 @@ from zllm.spec.errors import (
     TensorError,
     UnknownArchitectureError,
 )
+from zllm.spec.tensor_spec import TensorSpec
 from zllm.tokenizer import Tokenizer
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
+from zllm.weights.checkpoint import check_block_shard
 from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
 
 #: Share of the memory available before the weights are read that weights and an automatically
@@ -61,8 +74,11 @@ class LoadedModel:
     context_length: int
     load_seconds: float
     #: KV blocks to allocate: ``runtime.kv_cache.num_blocks``, or when it is null
-    #: :func:`auto_num_blocks` of the memory the backend reported before the weights were read.
+    #: :func:`auto_num_blocks` of the memory the backend reported before the weights were read
+    #: (with several ranks, the fewest any rank can hold).
     kv_num_blocks: int
+    #: This rank's shard of the model (:data:`~zllm.capabilities.parallel.SINGLE` for one process).
+    parallel: ParallelContext = SINGLE
 
 
 def _stored_format(fmt: str, dtype: str) -> str:
@@ -100,13 +116,65 @@ def _eos_ids(ckpt: Checkpoint, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in set(ids) | set(tokenizer.eos_token_ids))
 
 
+def _sharded_specs(family: Any, spec: object, parallel: ParallelContext, family_name: str) -> dict[str, TensorSpec]:
+    """The family's tensor specs for this rank's shard.
+
+    Raises:
+        ConfigError: (``parallel.tensor``) the family has no tensor-parallel layer code, or
+            its sizes do not fit (the family's own check).
+    """
+    if parallel.tp_size == 1 and parallel.pp_size == 1:
+        return family.tensor_specs(spec)
+    if "parallel" not in inspect.signature(family.tensor_specs).parameters:
+        key, n = ("parallel.tensor", parallel.tp_size) if parallel.tp_size > 1 else ("parallel.pipeline",
+                                                                                      parallel.pp_size)
+        raise ConfigError(key, f"{n}: model family {family_name!r} has no parallel layer code; use {key}: 1")
+    if parallel.pp_size > 1 and not getattr(family, "pipeline_stages", False):
+        raise ConfigError("parallel.pipeline", f"{parallel.pp_size}: model family {family_name!r} has no "
+                                               f"pipeline-stage layer code; use parallel.pipeline: 1")
+    return family.tensor_specs(spec, parallel=parallel)
+
+
+def check_parallel_fits(cfg: ZllmConfig, host: PluginHost) -> None:
+    """Refuse ``cfg.parallel`` sizes the model cannot be split by, reading only the
+    checkpoint's headers (before any process is started or weight read).
+
+    Raises:
+        ConfigError: ``parallel.pipeline`` exceeds the layers, or ``parallel.tensor`` does not
+            fit the heads, KV heads or FFN widths (naming both numbers).
+        TensorError: a row-parallel shard of a block-quantized weight would fall inside a
+            block (names the tensor; such a weight is refused, not replicated).
+        CheckpointError, UnknownArchitectureError: as :func:`load_model`.
+    """
+    ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
+    layers = ckpt.config.get("num_hidden_layers")
+    if isinstance(layers, int) and cfg.parallel.pipeline > layers:
+        raise ConfigError("parallel.pipeline", f"{cfg.parallel.pipeline} stages exceed the {layers} layers of "
+                                               f"{ckpt.path}; each stage holds at least one layer")
+    info = resolve_family(host, ckpt)
+    family = info.load()
+    present = set(ckpt.tensor_names())
+    spec = family.parse_config(ckpt.config, str(ckpt.path))
+    for rank in range(cfg.parallel.tensor):
+        plan = ParallelContext(rank, cfg.parallel.tensor, pp_rank=0, pp_size=cfg.parallel.pipeline)
+        specs = _sharded_specs(family, spec, plan, info.name)
+        for name, tspec in specs.items():
+            if tspec.shard is not None and name in present:
+                shape, fmt = ckpt.tensor_shape_format(name)
+                check_block_shard(name, shape, _stored_format(fmt, cfg.model.dtype), tspec.shard,
+                                  str(ckpt.file_of(name)))
+
+
 def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int], None] | None = None,
-               on_start: Callable[[int], None] | None = None) -> LoadedModel:
+               on_start: Callable[[int], None] | None = None, launch: Launch | None = None) -> LoadedModel:
     """Load the configured model on the configured backend.
 
     Args:
         on_start: called with the total weight bytes before reading (for a progress bar).
         on_tensor: called with each tensor's name and byte count as it is read.
+        launch: this process's rank when ``cfg.parallel`` spreads the model over several
+            (:mod:`zllm.engine.distributed`): it joins the ranks' process group once the backend
+            is constructed and loads only its shard of each weight.
 
     Raises:
         CheckpointError, UnknownArchitectureError, CapabilityError, PluginError,
@@ -114,11 +182,15 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
         except TensorError for mis-shaped data found while reading.
     """
     t0 = time.perf_counter()
+    if launch is not None:
+        check_launch(cfg, launch)
     ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
     info = resolve_family(host, ckpt)
     family = info.load()
     spec = family.parse_config(ckpt.config, str(ckpt.path))
-    specs = family.tensor_specs(spec)
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    planned = ParallelContext(launch.rank % tp, tp, pp_rank=launch.rank // tp, pp_size=pp) if launch else SINGLE
+    specs = _sharded_specs(family, spec, planned, info.name)
     present = set(ckpt.tensor_names())
     for name, tspec in specs.items():
         if name not in present and not tspec.optional:
@@ -126,9 +198,13 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     formats = {n: _stored_format(ckpt.tensor_shape_format(n)[1], cfg.model.dtype) for n in specs if n in present}
     needed = without_retired(family.required_capabilities(spec, formats))
     choice = select_backend(host, cfg.backend.name, needed, info.name)
-    backend = choice.cls(threads=cfg.backend.threads)
+    backend = _construct_backend(choice.cls, cfg, launch)
     check_backend_instance(backend, choice.info.name)
     check_device_capabilities(backend, needed, choice.info.name, info.name)
+    parallel = SINGLE
+    if launch is not None:
+        parallel = join_group(backend, choice.info.name, launch, cfg.parallel.timeout_s, cfg.parallel.tensor)
+        specs = _sharded_specs(family, spec, parallel, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
                    batch_invariant=cfg.runtime.batch_invariant, ops=host.ops)
 
@@ -143,7 +219,13 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
         on_start(sum(_nbytes(ckpt, n) for n in specs if n in present))
     weights = load_weights(ckpt, specs, cfg.model.dtype, on_tensor=on_tensor)
     weights = {k: _place(backend, v) for k, v in weights.items()}
-    model = family.build(spec, weights, ops)
+    model: Any
+    if parallel is SINGLE:
+        model = family.build(spec, weights, ops)
+    else:
+        model = family.build(spec, weights, ops, parallel=parallel)
+    if parallel.pp_size > 1:
+        model = PipelineModel(model, parallel, backend.device)
     tokenizer = ckpt.load_tokenizer()
     if available is None:
         blocks = cfg.runtime.kv_cache.num_blocks
@@ -155,8 +237,31 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                                  available_bytes=available,
                                  weight_bytes=sum(_nbytes(ckpt, n, formats[n]) for n in formats),
                                  device=str(backend.device))
+    if launch is not None:
+        blocks = agree_num_blocks(blocks, backend.device)
+        if parallel.pp_size > 1:
+            check_same_window(model_kv_spec(model).evictable_window, backend.device)
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
-                       ctx, time.perf_counter() - t0, blocks)
+                       ctx, time.perf_counter() - t0, blocks, parallel)
+
+
+def _construct_backend(cls: type, cfg: ZllmConfig, launch: Launch | None) -> Any:
+    """``cls(threads=...)``, on device ``backend.device + local rank`` for a backend of a
+    device family (its class names a ``device_type``) when either is set.
+
+    Raises:
+        ConfigError: (``backend.device``) the backend refuses that device (names the devices it sees).
+    """
+    device_type = getattr(cls, "device_type", None)
+    local_rank = launch.local_rank if launch is not None else 0
+    if device_type is None or (cfg.backend.device is None and launch is None):
+        return cls(threads=cfg.backend.threads)
+    device = f"{device_type}:{(cfg.backend.device or 0) + local_rank}"
+    try:
+        return cls(threads=cfg.backend.threads, device=device)
+    except ValueError as exc:
+        raise ConfigError("backend.device", f"{exc} (rank {local_rank} of this node runs on backend.device + "
+                                            f"its local rank; each rank needs a device of its own)") from None
 
 
 def check_backend_instance(backend: object, name: str) -> None:

@@ -36,12 +36,13 @@ import attrs
 
 from zllm.runtime.llm_engine import LLMEngine, StepOutput
 from zllm.runtime.sequence import Sequence, TokenConstraint
+from zllm.spec.errors import EngineFailedError
 from zllm.spec.request import GenerationRequest
 
 T = TypeVar("T")
 
 
-class EngineLoopError(RuntimeError):
+class EngineLoopError(EngineFailedError):
     """The engine loop failed while stepping (a bug or a device failure, not a bad request):
     every live request ended with this error and the engine accepts no more. The step's
     exception is ``__cause__``."""

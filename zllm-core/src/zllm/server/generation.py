@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from zllm.server.errors import ApiError
-from zllm.spec.errors import DeadlineExceeded, RequestError, UnsupportedRequestError
+from zllm.spec.errors import DeadlineExceeded, EngineFailedError, RequestError, UnsupportedRequestError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -122,6 +122,11 @@ class EngineStream:
             return None
         except DeadlineExceeded as exc:
             raise self._abandoned(exc) from exc
+        except EngineFailedError as exc:
+            # The engine cannot serve anymore (e.g. a rank of a parallel engine died): not the
+            # client's fault, and retrying this server will not help.
+            raise ApiError(503, f"the engine failed and ended the request: {exc}", code="engine_failed",
+                           retry=False) from exc
 
     def _abandoned(self, exc: DeadlineExceeded) -> ApiError:
         """The answer to a request the runtime dropped at its deadline: 503 when the

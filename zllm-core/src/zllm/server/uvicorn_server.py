@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 from collections.abc import Generator
+from typing import Protocol
 
 import h11
 import uvicorn
@@ -90,10 +91,17 @@ def protocol_class(header_timeout_s: float, max_connections: int) -> type[H11Pro
     return LimitedH11Protocol
 
 
+class Drains(Protocol):
+    """What :class:`Server` tells of a shutdown: :class:`ServerState`, or the data-parallel
+    front end (which passes it on to its replicas)."""
+
+    def begin_shutdown(self, timeout_s: float) -> None: ...
+
+
 class Server(uvicorn.Server):
     """uvicorn's server with a bounded graceful shutdown and no re-raised signal."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, state: Drains, shutdown_timeout_s: float):
         super().__init__(config)
         self._state, self._shutdown_timeout_s = state, shutdown_timeout_s
 

@@ -9,8 +9,10 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       dtype: auto                 # auto | f32 | f16 | bf16
     backend:
       name: auto                  # auto or a backend plugin name, e.g. cpu
-      threads: null               # null = number of cores
+      device: null                # device index of the first rank (cuda:N); null = each rank its local rank
+      threads: null               # null = number of cores (a rank of N on one node: cores / N)
       force_reference: []         # ops that must run their f32 reference, e.g. [linear]
+    parallel: {tensor: 1, pipeline: 1, data: 1, timeout_s: 60.0}
     runtime:
       kv_cache: {block_size: 16, num_blocks: null, dtype: f32}   # dtype: f32 | f16 | bf16
       max_num_seqs: 8
@@ -236,12 +238,18 @@ class BackendConfig:
 
     Attributes:
         name: ``auto`` (pick by declared priority) or a backend plugin name, e.g. ``cpu``.
-        threads: CPU threads, >= 1; ``None`` = number of cores.
+        device: index of the device the (first) rank runs on, >= 0 (``cuda:1``); with several
+            ranks on a node, local rank ``i`` runs on device ``device + i``. ``None`` = device
+            ``i`` for local rank ``i`` (device 0 without parallelism). A device-less backend
+            (cpu) has one device and ignores it.
+        threads: CPU threads, >= 1; ``None`` = the cores this process may use, divided among
+            the ranks started on this node (``parallel``), so ranks do not fight for cores.
         force_reference: op names (e.g. ``linear``, ``attention``) whose f32 reference
             kernel runs instead of the backend's. The kernel registry checks the names.
     """
 
     name: str = _config_field(NON_EMPTY_STR, "auto")
+    device: int | None = _config_field(NON_NEGATIVE_INT.or_null(), None)
     threads: int | None = _config_field(POSITIVE_INT.or_null(), None)
     force_reference: tuple[str, ...] = _config_field(OP_NAMES, (), converter=to_tuple)
 
@@ -318,6 +326,35 @@ class RuntimeConfig:
         return (
             self.max_batch_tokens if self.max_batch_tokens is not None else self.max_num_seqs + self.max_prefill_tokens
         )
+
+
+@attrs.frozen
+class ParallelConfig:
+    """``parallel:`` — spreading one model over several processes (:mod:`zllm.parallel`).
+
+    World size = ``tensor * pipeline`` ranks per engine replica; ``data`` replicas run behind
+    one HTTP front end. Whether the numbers fit the model (heads, KV heads, layers) is checked
+    when its config is read, before any weight is.
+
+    Attributes:
+        tensor: tensor-parallel ranks (Megatron-LM style), >= 1; must divide the model's query
+            heads, and its KV heads divide it or it divides them.
+        pipeline: pipeline stages (contiguous layer ranges), >= 1; at most the model's layers.
+        data: engine replicas behind one endpoint, >= 1.
+        timeout_s: seconds a collective may wait for a peer before the rank gives up (torch's
+            process-group timeout, also the watchdog's bound on a step); a dead or hung rank
+            ends the job within it rather than hanging it.
+    """
+
+    tensor: int = _config_field(POSITIVE_INT, 1)
+    pipeline: int = _config_field(POSITIVE_INT, 1)
+    data: int = _config_field(POSITIVE_INT, 1)
+    timeout_s: float = _config_field(POSITIVE_NUMBER, 60.0, converter=to_float)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine replica: ``tensor * pipeline``."""
+        return self.tensor * self.pipeline
 
 
 @attrs.frozen
@@ -473,6 +510,14 @@ class ServerConfig:
     tool_parser: str = _config_field(_one_of(*TOOL_PARSERS), "auto")
 
 
+def _check_parallel(instance: Any, attribute: attrs.Attribute, value: ParallelConfig) -> None:
+    # The draft and MTP proposers run their own model beside the target's, on one rank only.
+    if value.world_size > 1 and instance.speculative.method is not None:
+        key = "parallel.tensor" if value.tensor > 1 else "parallel.pipeline"
+        raise ConfigError(key, f"speculative decoding (speculative.method: {instance.speculative.method}) runs on "
+                               f"one rank; set {key}: 1 or speculative.method: null")
+
+
 @attrs.frozen(kw_only=True)
 class ZllmConfig:
     """One whole config file. Build it with :func:`load_config` or :func:`config_from_dict`;
@@ -480,7 +525,7 @@ class ZllmConfig:
 
     Attributes:
         schema_version: always :data:`SCHEMA_VERSION`; older files are migrated first.
-        model, backend, runtime, generation, server, speculative: the sections.
+        model, backend, runtime, generation, server, speculative, parallel: the sections.
     """
 
     # kw_only lets schema_version come first (as in a file) ahead of the required `model`.
@@ -494,6 +539,7 @@ class ZllmConfig:
     generation: GenerationDefaults = attrs.Factory(GenerationDefaults)
     server: ServerConfig = attrs.Factory(ServerConfig)
     speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig, validator=_check_parallel)
 
 
 def _section_paths(cl: type, prefix: str) -> dict[type, str]:

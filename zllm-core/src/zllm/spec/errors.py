@@ -61,6 +61,12 @@ class DeadlineExceeded(ZllmError):
         super().__init__(f"the request's deadline passed {where}")
 
 
+class EngineFailedError(RuntimeError):
+    """The engine can no longer run requests: its loop failed (a bug, a device failure, a rank
+    of a parallel engine that died or hung) or it was closed. Not a user error; the HTTP
+    server answers it 503. ``zllm.engine.loop.EngineLoopError`` is the engine's own subclass."""
+
+
 class CheckpointError(ZllmError):
     """A weight, config or tokenizer file is missing, corrupt or inconsistent. ``file`` names it."""
 

@@ -24,6 +24,16 @@ def _formats(value: Iterable[str] | None) -> frozenset[str] | None:
 
 
 @attrs.frozen
+class Shard:
+    """The part of a weight one tensor-parallel rank holds: ``size`` indices of dimension
+    ``dim`` from ``start`` (``zllm.capabilities.parallel.ParallelContext.split``)."""
+
+    dim: int
+    start: int
+    size: int
+
+
+@attrs.frozen
 class TensorSpec:
     """The expected shape and storage of one named weight.
 
@@ -34,11 +44,23 @@ class TensorSpec:
             zllm's formats.
         optional: the checkpoint may omit this tensor (e.g. ``lm_head.weight`` of a model
             with tied embeddings).
+        shard: the slice of the weight this process loads (tensor parallelism); ``None``
+            loads it whole. :attr:`shape` stays the whole weight's shape, which is what the
+            checkpoint is checked against.
+        elsewhere: another pipeline stage holds this weight: it is checked against the
+            checkpoint like every other, but not loaded here.
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_shape)
     formats: frozenset[str] | None = attrs.field(default=None, converter=_formats)
     optional: bool = False
+    shard: Shard | None = None
+    elsewhere: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.shard is not None:
+            s = self.shard
+            assert 0 <= s.dim < len(self.shape) and 0 <= s.start <= s.start + s.size <= self.shape[s.dim], (self, s)
 
     def check(self, name: str, tensor_shape: Iterable[int], fmt: str, file: str) -> None:
         """Raise unless a tensor of ``tensor_shape`` stored as ``fmt`` satisfies this spec.

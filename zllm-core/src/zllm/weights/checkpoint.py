@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from zllm.spec.errors import CheckpointError
-from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
+from zllm.spec.errors import CheckpointError, TensorError
+from zllm.spec.tensor_spec import Shard
+from zllm.weights.formats import BLOCK_LAYOUTS, DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
 from zllm.weights.gguf_maps import GGUFArchMap
 
 CHECKPOINT_FORMATS = ("auto", "hf", "gguf")
@@ -119,6 +120,25 @@ class Checkpoint(abc.ABC):
             TensorError: as :meth:`tensor_shape_format`.
         """
 
+    def tensor_slice(self, name: str, shard: Shard) -> torch.Tensor | QuantizedTensor:
+        """The part ``shard`` of tensor ``name``, without reading the rest of it: a view of
+        the file mapping (no copy) when the slice is contiguous in the file; a copy of the
+        slice alone otherwise (a column slice, whose rows are strided).
+
+        A quantized tensor is sliced along a row dimension freely, and along its columns only
+        on whole blocks: each rank's columns must start and end on a block boundary.
+
+        Raises:
+            TensorError: as :meth:`tensor_shape_format`; or a column slice of a quantized
+                tensor falls inside a block (names the tensor, its format, the block size and
+                the columns per rank).
+        """
+        weight = self.tensor(name)
+        if isinstance(weight, QuantizedTensor):
+            return _quantized_slice(weight, shard, name, str(self.file_of(name)))
+        part = weight.narrow(shard.dim, shard.start, shard.size)
+        return part if part.is_contiguous() else part.contiguous()
+
     @abc.abstractmethod
     def file_of(self, name: str) -> Path:
         """The file that holds tensor ``name`` (for error messages). Raises TensorError if absent."""
@@ -130,6 +150,44 @@ class Checkpoint(abc.ABC):
         Raises:
             CheckpointError: the checkpoint carries no tokenizer.
         """
+
+
+def check_block_shard(name: str, shape: tuple[int, ...], fmt: str, shard: Shard, file: str) -> None:
+    """Refuse a shard of a block-quantized tensor whose columns fall inside a block, and any
+    shard of a quantized HF checkpoint's weight (parts of several shapes; not sliced yet).
+
+    Raises:
+        TensorError: names the tensor, its format, the block size and the columns per rank; or
+            names the tensor and its HF quantized format.
+    """
+    if fmt in FORMATS and fmt not in BLOCK_LAYOUTS:
+        raise TensorError(
+            file, name, f"{fmt} weights (a quantized HF checkpoint's) cannot be split for tensor parallelism yet: "
+            f"only dense and GGUF block-quantized weights are; use parallel.tensor: 1 (pipeline stages and "
+            f"data-parallel replicas do take them)")
+    if fmt not in BLOCK_LAYOUTS or shard.dim != len(shape) - 1:
+        return
+    block = BLOCK_LAYOUTS[fmt].block_size
+    if shard.start % block or shard.size % block:
+        raise TensorError(
+            file, name, f"{fmt} blocks of {block} columns cannot be split for tensor parallelism: each rank would "
+            f"hold {shard.size} of its {shape[-1]} columns, off a block boundary (zllm refuses rather than "
+            f"replicates such a weight); use a parallel.tensor whose share is a multiple of {block} columns, or "
+            f"a format with smaller blocks (q8_0: 32; f16)")
+
+
+def _quantized_slice(weight: QuantizedTensor, shard: Shard, name: str, file: str) -> QuantizedTensor:
+    """``shard`` of a block-quantized weight, as :meth:`Checkpoint.tensor_slice` describes."""
+    check_block_shard(name, weight.shape, weight.fmt, shard, file)
+    shape = list(weight.shape)
+    last = len(shape) - 1
+    if shard.dim < last:
+        data = weight.data.narrow(shard.dim, shard.start, shard.size)
+    else:
+        block, type_size = weight.layout.block_size, weight.layout.type_size
+        data = weight.data.narrow(last, shard.start // block * type_size, shard.size // block * type_size)
+    shape[shard.dim] = shard.size
+    return QuantizedTensor(data if data.is_contiguous() else data.contiguous(), weight.fmt, tuple(shape))
 
 
 def open_checkpoint(

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from zllm.spec.errors import CheckpointError, TensorError
+from zllm.spec.tensor_spec import Shard
 from zllm.weights.checkpoint import Checkpoint
 from zllm.weights.formats import QuantizedTensor
 from zllm.weights.hf_quant import Fold, QuantPlan, plan_quantization
@@ -324,6 +325,13 @@ class HFCheckpoint(Checkpoint):
             return fold.build(self._read)
         self.tensor_shape_format(name)  # refuses unsupported dtypes
         return self._read(name)
+
+    def tensor_slice(self, name: str, shard: Shard) -> torch.Tensor | QuantizedTensor:
+        # safetensors' slice reads only the requested bytes of the mapping.
+        shape, _ = self.tensor_shape_format(name)
+        index = tuple(slice(shard.start, shard.start + shard.size) if d == shard.dim else slice(None)
+                      for d in range(len(shape)))
+        return self._handles[self._entry(name).file].get_slice(name)[index]
 
     def load_tokenizer(self) -> Any:
         from zllm.tokenizer import Tokenizer

@@ -9,7 +9,7 @@ import torch
 
 from zllm.spec.errors import TensorError
 from zllm.spec.tensor_spec import TensorSpec
-from zllm.weights.checkpoint import Checkpoint
+from zllm.weights.checkpoint import Checkpoint, check_block_shard
 from zllm.weights.formats import DENSE_FORMATS, DTYPE_OF_FORMAT, QuantizedTensor
 
 LOAD_DTYPES = ("auto", *DENSE_FORMATS.values())
@@ -47,13 +47,16 @@ def load_weights(
     Returns:
         canonical name → dense ``torch.Tensor`` (file-mapped unless converted) or
         :class:`QuantizedTensor`, in checkpoint order; optional specs absent from the
-        checkpoint are absent here.
+        checkpoint are absent here. A spec with a ``shard`` gets only that slice
+        (:meth:`Checkpoint.tensor_slice`; the whole tensor is never read); one marked
+        ``elsewhere`` (another pipeline stage's) is checked and left out.
 
     Raises:
         ValueError: ``dtype`` is not one of :data:`LOAD_DTYPES`.
         TensorError: a required tensor is missing, a checkpoint tensor is unused (not part
             of the model), a tensor is mis-shaped, in a format the spec refuses or stored in
-            a type zllm does not support. The error names the tensor and the file holding it
+            a type zllm does not support, or a quantized shard falls off its block boundaries.
+            The error names the tensor and the file holding it
             (the checkpoint path for a missing tensor) and lists further offenders.
     """
     if dtype not in LOAD_DTYPES:
@@ -73,10 +76,16 @@ def load_weights(
         file = str(checkpoint.file_of(name))
         loaded_fmt = fmt if dtype == "auto" or fmt not in DTYPE_OF_FORMAT else dtype
         specs[name].check(name, shape, loaded_fmt, file)
+        shard = specs[name].shard
+        if shard is not None:
+            check_block_shard(name, shape, loaded_fmt, shard, file)
 
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for name in names:
-        weight = checkpoint.tensor(name)
+        if specs[name].elsewhere:
+            continue
+        shard = specs[name].shard
+        weight = checkpoint.tensor(name) if shard is None else checkpoint.tensor_slice(name, shard)
         if dtype != "auto" and isinstance(weight, torch.Tensor):
             weight = weight.to(DTYPE_OF_FORMAT[dtype])
         weights[name] = weight

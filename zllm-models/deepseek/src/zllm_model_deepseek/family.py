@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zllm.plugin_api import Capability, TensorSpec
+from zllm.plugin_api import SINGLE, Capability, ConfigError, ParallelContext, Shard, TensorSpec, check_tensor_parallel
 from zllm_model_deepseek.model import DeepseekModel
 from zllm_model_deepseek.spec import DeepseekSpec, spec_from_config
 
@@ -12,8 +12,14 @@ from zllm_model_deepseek.spec import DeepseekSpec, spec_from_config
 MTP_EXTRA = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
 
 
-def _attention_specs(spec: DeepseekSpec, optional: bool) -> dict[str, TensorSpec]:
-    """``self_attn.*`` tensors of one layer, by name after ``model.layers.{i}.``."""
+def _attention_specs(spec: DeepseekSpec, optional: bool, parallel: ParallelContext) -> dict[str, TensorSpec]:
+    """``self_attn.*`` tensors of one layer, by name after ``model.layers.{i}.``.
+
+    With tensor parallelism each rank holds ``H / tp`` heads: the rows of ``q_proj`` /
+    ``q_b_proj`` and ``kv_b_proj`` of its heads (``k_b_proj`` / ``v_b_proj`` by their head
+    dimension), ``o_proj``'s columns of them (row-parallel); the latent projections
+    (``q_a_proj``, ``kv_a_proj_with_mqa``) are whole on every rank, so every rank computes
+    and caches the same latent row (the latent cache is replicated: it has no heads to split)."""
     m, k = spec.mla, spec.hidden_size
     h, dn, dr, dv, r = (
         m.num_heads,
@@ -39,18 +45,36 @@ def _attention_specs(spec: DeepseekSpec, optional: bool) -> dict[str, TensorSpec
         specs |= {"self_attn.kv_a_proj_with_mqa.bias": (r + dr,), "self_attn.o_proj.bias": (k,)}
         if m.q_lora_rank is not None:
             specs["self_attn.q_a_proj.bias"] = (m.q_lora_rank,)
-    out = {name: TensorSpec(shape, optional=optional) for name, shape in specs.items()}
+    tp = parallel.tp_size > 1
+    shards: dict[str, Shard | None] = {
+        "self_attn.q_proj.weight": parallel.split(h * (dn + dr)) if tp else None,
+        "self_attn.q_b_proj.weight": parallel.split(h * (dn + dr)) if tp else None,
+        "self_attn.o_proj.weight": parallel.split(h * dv, dim=1) if tp else None,
+        "self_attn.k_b_proj.weight": parallel.split(h) if tp else None,
+        "self_attn.v_b_proj.weight": parallel.split(h) if tp else None,
+        "self_attn.kv_b_proj.weight": parallel.split(h * (dn + dv)) if tp else None,
+    }
+    out = {name: TensorSpec(shape, optional=optional, shard=shards.get(name)) for name, shape in specs.items()}
     if spec.kv_b_split:
         # Any format: re-joined into kv_b_proj at load (model._kv_b), decoded if quantized.
-        out["self_attn.k_b_proj.weight"] = TensorSpec((h, r, dn), optional=optional)
-        out["self_attn.v_b_proj.weight"] = TensorSpec((h, dv, r), optional=optional)
+        out["self_attn.k_b_proj.weight"] = TensorSpec((h, r, dn), optional=optional,
+                                                      shard=shards["self_attn.k_b_proj.weight"])
+        out["self_attn.v_b_proj.weight"] = TensorSpec((h, dv, r), optional=optional,
+                                                      shard=shards["self_attn.v_b_proj.weight"])
     else:
-        out["self_attn.kv_b_proj.weight"] = TensorSpec((h * (dn + dv), r), optional=optional)
+        out["self_attn.kv_b_proj.weight"] = TensorSpec((h * (dn + dv), r), optional=optional,
+                                                       shard=shards["self_attn.kv_b_proj.weight"])
     return out
 
 
-def _ffn_specs(spec: DeepseekSpec, moe: bool, optional: bool) -> dict[str, TensorSpec]:
-    """``mlp.*`` tensors of one layer, by name after ``model.layers.{i}.``."""
+def _ffn_specs(spec: DeepseekSpec, moe: bool, optional: bool, parallel: ParallelContext) -> dict[str, TensorSpec]:
+    """``mlp.*`` tensors of one layer, by name after ``model.layers.{i}.``.
+
+    With tensor parallelism a dense FFN, every routed expert and the shared experts are split
+    by their intermediate dimension (gate/up rows, down columns) and the router is whole on
+    every rank — experts are not distributed across ranks (expert parallelism): each rank does
+    the same share of every token's work whatever the router picks, with the one all-reduce a
+    dense FFN has and no token exchange."""
     k = spec.hidden_size
     if not moe:
         f = spec.intermediate_size
@@ -59,7 +83,8 @@ def _ffn_specs(spec: DeepseekSpec, moe: bool, optional: bool) -> dict[str, Tenso
             "mlp.up_proj.weight": (f, k),
             "mlp.down_proj.weight": (k, f),
         }
-        return {name: TensorSpec(shape, optional=optional) for name, shape in dense.items()}
+        return {name: TensorSpec(shape, optional=optional, shard=_ffn_shard(name, shape, parallel))
+                for name, shape in dense.items()}
     e, n, ns = spec.num_experts, spec.moe_intermediate_size, spec.shared_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, k)}
     if spec.model_type == "deepseek_v3":
@@ -83,7 +108,34 @@ def _ffn_specs(spec: DeepseekSpec, moe: bool, optional: bool) -> dict[str, Tenso
             "mlp.shared_experts.up_proj.weight": (ns, k),
             "mlp.shared_experts.down_proj.weight": (k, ns),
         }
-    return {name: TensorSpec(shape, optional=optional) for name, shape in shapes.items()}
+    return {name: TensorSpec(shape, optional=optional, shard=_ffn_shard(name, shape, parallel))
+            for name, shape in shapes.items()}
+
+
+def _ffn_shard(name: str, shape: tuple[int, ...], parallel: ParallelContext) -> Shard | None:
+    """This rank's slice of an FFN weight: the intermediate dimension of a gate/up (rows) or
+    down (columns) projection, dense, expert or shared; None for the router and without TP."""
+    if parallel.tp_size == 1 or name.startswith("mlp.gate."):
+        return None
+    dim = len(shape) - 1 if "down_proj" in name else len(shape) - 2
+    return parallel.split(shape[dim], dim)
+
+
+def check_fits(spec: DeepseekSpec, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the heads or FFN widths cannot be split by.
+
+    Raises:
+        ConfigError: (``parallel.tensor``) names the setting and the model's number.
+    """
+    if tp_size == 1:
+        return
+    source = spec.model_type
+    check_tensor_parallel(tp_size, num_heads=spec.mla.num_heads, num_kv_heads=spec.mla.num_heads, source=source)
+    widths = {"intermediate_size": spec.intermediate_size, "moe_intermediate_size": spec.moe_intermediate_size,
+              "shared experts' width": spec.shared_intermediate_size}
+    for what, width in widths.items():
+        if width and width % tp_size:
+            raise ConfigError("parallel.tensor", f"{tp_size} does not divide the {what} {width} of {source}")
 
 
 class DeepseekFamily:
@@ -94,13 +146,22 @@ class DeepseekFamily:
     def parse_config(self, config: dict[str, Any], source: str) -> DeepseekSpec:
         return spec_from_config(config, source)
 
-    def tensor_specs(self, spec: DeepseekSpec) -> dict[str, TensorSpec]:
+    def tensor_specs(self, spec: DeepseekSpec, parallel: ParallelContext = SINGLE) -> dict[str, TensorSpec]:
+        """Every weight; with tensor parallelism each with this rank's shard (heads, FFN
+        widths, vocabulary rows). MTP layers are sharded as decoder layers but not run then
+        (speculative decoding runs on one rank).
+
+        Raises:
+            ConfigError: ``parallel.tensor`` does not fit the model (:func:`check_fits`).
+        """
+        check_fits(spec, parallel.tp_size)
         k, v = spec.hidden_size, spec.vocab_size
+        vocab = parallel.padded_split(v) if parallel.tp_size > 1 else None
         specs = {
-            "model.embed_tokens.weight": TensorSpec((v, k)),
+            "model.embed_tokens.weight": TensorSpec((v, k), shard=vocab),
             "model.norm.weight": TensorSpec((k,)),
             # A tied checkpoint may still store lm_head.weight (equal to the embedding).
-            "lm_head.weight": TensorSpec((v, k), optional=spec.tie_word_embeddings),
+            "lm_head.weight": TensorSpec((v, k), optional=spec.tie_word_embeddings, shard=vocab),
         }
         layers = [(i, moe, False) for i, moe in enumerate(spec.moe_layers)]
         # MTP layers: loaded when present, never required (transformers drops them on save).
@@ -109,10 +170,10 @@ class DeepseekFamily:
             p = f"model.layers.{i}."
             specs[p + "input_layernorm.weight"] = TensorSpec((k,), optional=optional)
             specs[p + "post_attention_layernorm.weight"] = TensorSpec((k,), optional=optional)
-            specs |= {p + name: s for name, s in _attention_specs(spec, optional).items()}
+            specs |= {p + name: s for name, s in _attention_specs(spec, optional, parallel).items()}
             specs |= {
                 p + name: s
-                for name, s in _ffn_specs(spec, moe and spec.router is not None, optional).items()
+                for name, s in _ffn_specs(spec, moe and spec.router is not None, optional, parallel).items()
             }
             if optional:
                 mtp = {
@@ -163,8 +224,9 @@ class DeepseekFamily:
         # half-split pairs) and MoE layers.
         return _capabilities(fmt, {fmt}, {fmt}, ropes={"gptj", "neox"})
 
-    def build(self, spec: DeepseekSpec, weights: dict[str, Any], ops: Any) -> DeepseekModel:
-        return DeepseekModel(spec, weights, ops)
+    def build(self, spec: DeepseekSpec, weights: dict[str, Any], ops: Any,
+              parallel: ParallelContext = SINGLE) -> DeepseekModel:
+        return DeepseekModel(spec, weights, ops, parallel)
 
 
 def _capabilities(

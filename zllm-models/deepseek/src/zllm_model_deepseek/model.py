@@ -5,6 +5,11 @@ Dn/Dr/Dv the nope/rope/value head dims, R kv_lora_rank, W = R + Dr one cached la
 Rq q_lora_rank, F dense FFN size, E routed experts, N expert width, V vocabulary.
 Every op goes through ``ops`` (the backend's bound kernels); this file names no backend.
 
+With tensor parallelism each rank holds ``H / tp`` heads (their query, ``kv_b`` and ``o``
+rows/columns), the whole latent projections and a replicated latent cache, ``1 / tp`` of every
+FFN's intermediate dimension (dense, routed experts, shared experts), and ``V / tp`` vocabulary
+rows; one all-reduce after ``o``, one after the FFN (``zllm_model_deepseek.family``).
+
 Sources: DeepSeek-V2 (arXiv:2405.04434 §2.1 MLA, §2.2 DeepSeekMoE), DeepSeek-V3
 (arXiv:2412.19437); transformers 5's ``DeepseekV2DecoderLayer`` / ``DeepseekV3DecoderLayer``.
 """
@@ -17,11 +22,13 @@ import attrs
 import torch
 
 from zllm.plugin_api import (
+    SINGLE,
     AttentionMetadata,
     CheckpointError,
     KVCacheSpec,
     KVLayerSpec,
     KVTensor,
+    ParallelContext,
     QuantizedTensor,
     RopeTable,
     SharedExperts,
@@ -143,8 +150,10 @@ def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:
 class DeepseekModel:
     """A runnable DeepSeek-V2/V3 model over bound kernels ``ops``."""
 
-    def __init__(self, spec: DeepseekSpec, weights: dict[str, Any], ops: Any):
-        self.spec, self.ops = spec, ops
+    def __init__(self, spec: DeepseekSpec, weights: dict[str, Any], ops: Any, parallel: ParallelContext = SINGLE):
+        self.spec, self.ops, self.parallel = spec, ops, parallel
+        self._heads = spec.mla.num_heads // parallel.tp_size
+        self._row_bias = parallel.tp_rank == 0  # a row-parallel bias is added once, before the all-reduce
         self.vocab_size = spec.vocab_size
         self.context_length = spec.context_length
         m = spec.mla
@@ -161,10 +170,11 @@ class DeepseekModel:
         # cos/sin rows over the decoupled rope dims [Dr/2], YaRN factor included.
         self.rope_table = RopeTable(*rope_inv_freq(m.qk_rope_head_dim, spec.rope), spec.context_length)
         self._rope = ops.variant("rope", spec.rope_variant)
-        self.mtp = self._mtp(weights)
+        self.mtp = self._mtp(weights) if parallel.tp_size == 1 else None
         """The first MTP layer as a speculative proposer, or None when the checkpoint stores
-        none (transformers drops them on save). Further nextn layers are loaded, not run:
-        the proposer applies the first one recursively (:mod:`zllm.runtime.mtp`)."""
+        none (transformers drops them on save) or with tensor parallelism (speculative
+        decoding runs on one rank). Further nextn layers are loaded, not run: the proposer
+        applies the first one recursively (:mod:`zllm.runtime.mtp`)."""
 
     def _mtp(self, weights: dict[str, Any]) -> DeepseekMtp | None:
         p = f"model.layers.{self.spec.num_layers}."
@@ -191,22 +201,23 @@ class DeepseekModel:
         output ``[T, C]`` (what the MTP layer reads), as ``(logits, hidden)``."""
         ops, eps = self.ops, self.spec.rms_norm_eps
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, Dr/2] each
-        residual = ops.embedding(self.embed, token_ids)  # [T, C]
+        par = self.parallel
+        residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, (layer, (latent_cache,)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            attn = self.attention(layer, x, cos, sin, meta, latent_cache[:, :, 0])  # [T, C]
+            attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, latent_cache[:, :, 0]))  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
-            ffn = self.ffn(layer, x)  # [T, C]
+            ffn = self.ffn(layer, x)  # [T, C], this rank's partial sum
             if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(ffn, residual, self.layers[i + 1].attn_norm, eps)
+                x, residual = ops.add_rms_norm(par.all_reduce(ffn), residual, self.layers[i + 1].attn_norm, eps)
             elif return_hidden:
-                residual = ffn + residual  # [T, C]
+                residual = par.all_reduce(ffn) + residual  # [T, C]
             else:
-                residual = ffn[logits_indices] + residual[logits_indices]  # [S', C]
+                residual = par.all_reduce(ffn[logits_indices]) + residual[logits_indices]  # [S', C]
         x = ops.rms_norm(residual, self.norm, eps)  # [S', C], or [T, C] with return_hidden
         if return_hidden:
-            return ops.linear(x[logits_indices], self.lm_head), x  # [S', V], [T, C]
-        return ops.linear(x, self.lm_head)  # [S', V]
+            return par.logits(ops, x[logits_indices], self.lm_head, self.vocab_size), x  # [S', V], [T, C]
+        return par.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]
 
     def attention(
         self,
@@ -220,7 +231,7 @@ class DeepseekModel:
         """MLA (DeepSeek-V2 §2.1): queries, the latent row ``[RMSNorm(c_kv) | rotated k_pe]`` to
         cache, attention over the cached rows, ``o_proj``. ``latent_cache`` ``[NB, BS, W]``."""
         ops, m = self.ops, self.spec.mla
-        t, h, dn, r = x.shape[0], m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
+        t, h, dn, r = x.shape[0], self._heads, m.qk_nope_head_dim, m.kv_lora_rank
         if layer.q is not None:
             q = ops.linear(x, layer.q)  # [T, H * (Dn + Dr)]
         else:
@@ -238,7 +249,8 @@ class DeepseekModel:
         )  # [T, 1, Dr]: one rope key for all heads
         latent = torch.cat([c_kv, k_pe[:, 0]], dim=-1)  # [T, W]
         out = ops.mla_attention(q_nope, q_pe, latent, latent_cache, layer.kv_b, meta)  # [T, H, Dv]
-        return ops.linear(out.reshape(t, h * m.v_head_dim), layer.o, layer.o_bias)  # [T, C]
+        return ops.linear(out.reshape(t, h * m.v_head_dim), layer.o,
+                          layer.o_bias if self._row_bias else None)  # [T, C]
 
     def ffn(self, layer: DeepseekLayer, x: torch.Tensor) -> torch.Tensor:
         """The dense SwiGLU MLP, or the MoE FFN with its shared experts (DeepSeek-V2 §2.2)."""

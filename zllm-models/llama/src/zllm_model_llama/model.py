@@ -4,6 +4,12 @@ qwen2_moe, qwen3_moe), top to bottom (after gpt-fast's ``model.py``).
 Dimension legend: T tokens in the batch, S' rows that need logits, H query heads, Hkv KV
 heads, D head dim, C hidden size, F FFN size, V vocabulary, E routed experts, N expert width.
 Every op goes through ``ops`` (the backend's bound kernels); this file names no backend.
+
+With tensor parallelism (``parallel.tp_size`` > 1) each rank holds the shards
+``zllm_model_llama.family.tensor_shards`` gives it — its ``H / tp`` query heads, their KV
+heads, ``F / tp`` FFN rows and ``V / tp`` vocabulary rows — and the forward joins them with
+one all-reduce after O, one after down (Megatron-LM, arXiv:1909.08053 §3), one after the
+vocabulary-parallel embedding, and one all-gather of the logits.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import attrs
 import torch
 
 from zllm.plugin_api import (
+    SINGLE,
     AttentionMetadata,
     KVCacheSpec,
     KVLayerSpec,
+    ParallelContext,
     RopeTable,
     SharedExperts,
     rope_inv_freq,
@@ -37,10 +45,11 @@ class MoeLayer:
     shared: SharedExperts | None = None
 
     @classmethod
-    def from_weights(cls, w: dict[str, Any], p: str, moe: MoeSpec, layout: str) -> MoeLayer:
+    def from_weights(cls, w: dict[str, Any], p: str, moe: MoeSpec, layout: str,
+                     parallel: ParallelContext = SINGLE) -> MoeLayer:
         """Stack the experts once, from the checkpoint's ``layout`` (see
         ``zllm_model_llama.family.EXPERT_LAYOUTS``); a fused ``gate_up_proj`` is split into two
-        views, stacks are used as stored."""
+        views (this rank's rows of each half), stacks are used as stored (already sharded)."""
         gate, up, down = moe.expert_names
         if layout == "per_expert":
             stacks = [stack_weights([w[f"{p}experts.{e}.{name}.weight"] for e in range(moe.num_experts)])
@@ -48,7 +57,9 @@ class MoeLayer:
         elif layout == "fused":
             gate_up = w[p + "experts.gate_up_proj"]  # [E, 2N, C]: gate rows, then up rows
             n = moe.expert_size
-            stacks = [gate_up[:, :n], gate_up[:, n:], w[p + "experts.down_proj"]]
+            rows = parallel.split(n, 1)
+            stacks = [gate_up.narrow(1, rows.start, rows.size), gate_up.narrow(1, n + rows.start, rows.size),
+                      w[p + "experts.down_proj"]]
         else:
             stacks = [w[f"{p}experts.{name}.weight"] for name in (gate, up, down)]
         shared = None
@@ -99,31 +110,40 @@ class LlamaLayer:
 class LlamaModel:
     """A runnable llama model over bound kernels ``ops``."""
 
-    def __init__(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str | None, ...] = ()):
-        """``expert_layouts[i]``: how layer ``i``'s experts are stored (None: a dense FFN)."""
-        self.spec, self.ops = spec, ops
+    def __init__(self, spec: LlamaSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str | None, ...] = (),
+                 parallel: ParallelContext = SINGLE):
+        """``expert_layouts[i]``: how layer ``i``'s experts are stored (None: a dense FFN);
+        ``weights`` holds this rank's shards of ``parallel``, and with pipeline stages only
+        this stage's layers (:meth:`ParallelContext.stage_layers`)."""
+        self.spec, self.ops, self.parallel = spec, ops, parallel
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
         self.context_length = spec.context_length
-        # K and V of Hkv heads per layer, each layer with its own window; scores scaled by D ** -0.5
-        # (HF LlamaAttention.scaling; YaRN's factor scales cos/sin instead, as HF does).
+        kv_heads = parallel.kv_heads(spec.num_heads, spec.num_kv_heads)[1]
+        mine = parallel.stage_layers(spec.num_layers)
+        self._windows = spec.layer_windows[mine.start: mine.stop]
+        # K and V of this rank's Hkv heads per layer of its stage, each layer with its own window; scores
+        # scaled by D ** -0.5 (HF LlamaAttention.scaling; YaRN's factor scales cos/sin instead, as HF does).
         self.kv_spec = KVCacheSpec(
-            tuple(KVLayerSpec.gqa(spec.num_kv_heads, spec.head_dim, window) for window in spec.layer_windows),
+            tuple(KVLayerSpec.gqa(kv_heads, spec.head_dim, window) for window in self._windows),
             attention_scale=spec.head_dim ** -0.5,
         )
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
-        self.norm = weights["model.norm.weight"]
+        self.embed = weights.get("model.embed_tokens.weight")  # first stage, and a tied last one
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
+        self.norm = weights.get("model.norm.weight")
         layouts = expert_layouts or (None,) * spec.num_layers
         self.layers = [
             LlamaLayer.from_weights(weights, i, None if layout is None or spec.moe is None else
                                     MoeLayer.from_weights(weights, f"model.layers.{i}.{spec.moe.prefix}.", spec.moe,
-                                                          layout))
-            for i, layout in enumerate(layouts)
+                                                          layout, parallel))
+            for i, layout in zip(mine, layouts[mine.start: mine.stop], strict=True)
         ]
         self.rope_table = RopeTable(*rope_inv_freq(spec.head_dim, spec.rope), spec.context_length)  # [D2] rows
         # Plain ints for the per-layer code (the spec's properties would recompute them each call).
-        self._heads, self._kv_heads, self._head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self._q_size = spec.q_size
+        self._heads, self._kv_heads, self._head_dim = spec.num_heads // parallel.tp_size, kv_heads, spec.head_dim
+        self._q_size = self._heads * spec.head_dim
+        # A row-parallel layer's bias is added once, on the first rank, before the all-reduce.
+        self._row_bias = parallel.tp_rank == 0
 
     def forward(
         self,
@@ -132,25 +152,35 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
-        ops, eps = self.ops, self.spec.rms_norm_eps
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``).
+
+        With pipeline stages: a stage after the first takes the previous stage's ``hidden``
+        (its last MLP output and residual, f32 ``[T, C]`` each) instead of embedding
+        ``token_ids``, and a stage before the last returns that pair for the next stage."""
+        ops, eps, par = self.ops, self.spec.rms_norm_eps, self.parallel
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
-        residual = ops.embedding(self.embed, token_ids)  # [T, C]
         # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
         # then norm(h_i). The last MLP output only needs its logits rows.
-        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # the spec guarantees >= 1 layer
-        layers = zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)
+        if hidden is None:
+            residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
+            x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # a stage holds >= 1 layer
+        else:
+            x, residual = ops.add_rms_norm(hidden[0], hidden[1], self.layers[0].attn_norm, eps)
+        layers = zip(self.layers, self._windows, kv_caches, strict=True)
         for i, (layer, window, kv_cache) in enumerate(layers):
-            attn = self.attention(layer, x, cos, sin, meta, kv_cache, window)  # [T, C]
+            attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, kv_cache, window))  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
-            mlp = self.mlp(layer, x)  # [T, C]
+            mlp = self.mlp(layer, x)  # [T, C], this rank's partial sum
             if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, eps)
-            else:
-                residual = mlp[logits_indices] + residual[logits_indices]  # [S', C]
+                x, residual = ops.add_rms_norm(par.all_reduce(mlp), residual, self.layers[i + 1].attn_norm, eps)
+            elif not par.last_stage:
+                return par.all_reduce(mlp), residual  # [T, C] each, for the next stage
+            else:  # only the logits rows are summed over the ranks
+                residual = par.all_reduce(mlp[logits_indices]) + residual[logits_indices]  # [S', C]
         x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
-        return ops.linear(x, self.lm_head)  # [S', V]
+        return self.parallel.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]
 
     def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
                   window: int | None) -> torch.Tensor:
@@ -169,7 +199,7 @@ class LlamaModel:
             out = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
         else:
             out = ops.attention_sliding(q, k, v, kv_cache[0], kv_cache[1], meta, window)  # [T, H, D]
-        return ops.linear(out.reshape(T, self._q_size), layer.o, layer.o_bias)  # [T, C]
+        return ops.linear(out.reshape(T, self._q_size), layer.o, layer.o_bias if self._row_bias else None)  # [T, C]
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
@@ -180,4 +210,4 @@ class LlamaModel:
             return ops.moe(x, router_logits, self.spec.moe.router, m.gate, m.up, m.down, None, m.shared)  # [T, C]
         gate = ops.linear(x, layer.gate, layer.gate_bias)  # [T, F]
         hidden = ops.silu_mul(gate, ops.linear(x, layer.up, layer.up_bias))  # [T, F]
-        return ops.linear(hidden, layer.down, layer.down_bias)  # [T, C]
+        return ops.linear(hidden, layer.down, layer.down_bias if self._row_bias else None)  # [T, C]
