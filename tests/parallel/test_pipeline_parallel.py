@@ -5,6 +5,8 @@ and the tokens and logits are those of one process; TP = 2 x PP = 2 over four pr
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 import transformers
@@ -87,11 +89,14 @@ def test_two_stages_of_two_tensor_ranks_print_the_story(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, 0]
 
 
-def test_stages_that_mix_sliding_and_full_layers_are_refused_naming_the_setting(tmp_path):
+def test_stages_that_mix_sliding_and_full_layers_are_refused_before_any_rank_starts(tmp_path):
     path = tmp_path / "qwen2"
     config = transformers.Qwen2Config(**{**BASE, "num_hidden_layers": 2}, use_sliding_window=True, sliding_window=5,
                                       layer_types=["sliding_attention", "full_attention"])
     save_widened(path, transformers.Qwen2ForCausalLM, config, 5)
+    before = set(multiprocessing.active_children())
     with pytest.raises(ConfigError) as exc:
         zllm.Engine.from_config(write_config(tmp_path, path, parallel={"pipeline": 2}))
-    assert exc.value.path == "parallel.pipeline" and "mix sliding-window and full-attention" in str(exc.value)
+    assert exc.value.path == "parallel.pipeline"
+    assert "(layers 0-0: window 5; layers 1-1: full attention)" in str(exc.value)
+    assert set(multiprocessing.active_children()) == before, "refused before any rank starts"

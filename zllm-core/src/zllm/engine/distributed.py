@@ -306,24 +306,6 @@ def serve_steps(model: Any, kv_layers: list[Any], device: torch.device, scale: f
             model.forward(payload[:t], payload[t: 2 * t], meta, kv_layers, payload[3 * t: 3 * t + r])
 
 
-def check_same_window(window: int | None, device: torch.device) -> None:
-    """Refuse pipeline stages whose KV caches would evict differently: rank 0's allocator
-    frees blocks outside a sliding window only when every layer slides by the same window,
-    and it sees only its own stage's layers.
-
-    Raises:
-        ConfigError: (``parallel.pipeline``) the stages' evictable windows differ.
-    """
-    mine = torch.tensor([-1 if window is None else window], dtype=torch.int64, device=device)
-    low, high = mine.clone(), mine.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if int(low.item()) != int(high.item()):
-        raise ConfigError("parallel.pipeline", "the stages mix sliding-window and full-attention layers (or "
-                                               "windows), which one KV block allocator cannot serve; use another "
-                                               "parallel.pipeline or 1")
-
-
 HEARTBEAT_S = 0.5
 """Seconds between a rank's heartbeats in the process group's store (:func:`start_heartbeat`)."""
 

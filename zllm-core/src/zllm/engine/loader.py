@@ -29,7 +29,6 @@ from zllm.engine.distributed import (
     PipelineModel,
     agree_num_blocks,
     check_launch,
-    check_same_window,
     join_group,
 )
 from zllm.kernels.bound import BoundOps
@@ -239,8 +238,6 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                                  device=str(backend.device))
     if launch is not None:
         blocks = agree_num_blocks(blocks, backend.device)
-        if parallel.pp_size > 1:
-            check_same_window(model_kv_spec(model).evictable_window, backend.device)
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
                        ctx, time.perf_counter() - t0, blocks, parallel)
 
