@@ -134,6 +134,14 @@ def _sharded_specs(family: Any, spec: object, parallel: ParallelContext, family_
     return family.tensor_specs(spec, parallel=parallel)
 
 
+def _check_stage_count(cfg: ZllmConfig, ckpt: Checkpoint) -> None:
+    """Raises ConfigError (``parallel.pipeline``): more stages than the checkpoint has layers."""
+    layers = ckpt.config.get("num_hidden_layers")
+    if isinstance(layers, int) and cfg.parallel.pipeline > layers:
+        raise ConfigError("parallel.pipeline", f"{cfg.parallel.pipeline} stages exceed the {layers} layers of "
+                                               f"{ckpt.path}; each stage holds at least one layer")
+
+
 def check_parallel_fits(cfg: ZllmConfig, host: PluginHost) -> None:
     """Refuse ``cfg.parallel`` sizes the model cannot be split by, reading only the
     checkpoint's headers (before any process is started or weight read).
@@ -146,10 +154,7 @@ def check_parallel_fits(cfg: ZllmConfig, host: PluginHost) -> None:
         CheckpointError, UnknownArchitectureError: as :func:`load_model`.
     """
     ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
-    layers = ckpt.config.get("num_hidden_layers")
-    if isinstance(layers, int) and cfg.parallel.pipeline > layers:
-        raise ConfigError("parallel.pipeline", f"{cfg.parallel.pipeline} stages exceed the {layers} layers of "
-                                               f"{ckpt.path}; each stage holds at least one layer")
+    _check_stage_count(cfg, ckpt)
     info = resolve_family(host, ckpt)
     family = info.load()
     present = set(ckpt.tensor_names())
@@ -184,6 +189,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     if launch is not None:
         check_launch(cfg, launch)
     ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
+    if launch is not None:
+        _check_stage_count(cfg, ckpt)
     info = resolve_family(host, ckpt)
     family = info.load()
     spec = family.parse_config(ckpt.config, str(ckpt.path))
