@@ -9,6 +9,11 @@ prompt ids, every request generating exactly ``--new-tokens``:
   decode step (``all_reduce`` after O and down in every layer, the embedding's ``all_reduce``,
   the logits' ``all_gather`` and the step's two metadata ``broadcast``\\ s) and that time's share of
   the step: transfer plus waiting for the other rank, timed around torch.distributed's calls.
+- **comm** row: the same collectives of one batch-1 decode step (shapes from the model's config)
+  run back to back between two processes that are both ready, with no model around them: the
+  pure communication cost of a step, and its share of the TP = 2 step. Rank 0's time inside
+  collectives in the TP = 2 row is larger: it also waits there for the other rank to finish its
+  half of the work.
 - **PP** rows, ``--batch`` concurrent sequences: ``parallel.pipeline`` 1 against 2 (decode rounds
   split into micro-batches so the stages overlap): tokens/s over all sequences.
 
@@ -130,6 +135,53 @@ def batch_row(engine, prompts: list[list[int]], new_tokens: int) -> dict[str, fl
     return {"tok_s": sum(done) / (time.perf_counter() - t0)}
 
 
+def _comm_worker(rank: int, port: int, hidden: int, vocab: int, layers: int, steps: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    header, payload = torch.zeros(4, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    x, logits = torch.zeros(1, hidden), torch.zeros(1, -(-vocab // 2))
+    parts = [torch.empty_like(logits) for _ in range(2)]
+
+    def step() -> None:
+        dist.broadcast(header, src=0)
+        dist.broadcast(payload, src=0)
+        for _ in range(1 + 2 * layers):  # the embedding's all-reduce, then O and down of every layer
+            dist.all_reduce(x)
+        dist.all_gather(parts, logits)
+
+    for _ in range(5):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if rank == 0:
+        out.put((time.perf_counter() - t0) / steps)
+    dist.destroy_process_group()
+
+
+def comm_row(info: dict[str, Any], config_json: dict[str, Any], steps: int = 200) -> dict[str, float]:
+    """ms per decode step of the collectives alone, two processes over gloo on 127.0.0.1."""
+    import multiprocessing
+
+    from zllm.engine.distributed import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    args = (port, config_json["hidden_size"], info["vocab_size"], config_json["num_hidden_layers"], steps, out)
+    procs = [ctx.Process(target=_comm_worker, args=(rank, *args)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    seconds = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return {"comm_ms_per_step": 1e3 * seconds, "collectives_per_step": 2 + 1 + 2 * config_json["num_hidden_layers"] + 1}
+
+
 def median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
@@ -153,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                                for _ in range(args.repeats)])
         results.append({"row": name, "batch": 1, **row})
         print(json.dumps(results[-1]), flush=True)
+    comm = comm_row(info, json.loads((path / "config.json").read_text()))
+    tp2 = next(r for r in results if r["row"] == "TP=2")
+    results.append({"row": "comm", "batch": 1, **comm, "share_of_tp2_step": comm["comm_ms_per_step"] / tp2["step_ms"]})
+    print(json.dumps(results[-1]), flush=True)
     for name, pipeline in (("PP=1", 1), ("PP=2", 2)):
         with zllm.Engine.from_config(config(path, args.threads, pipeline=pipeline, seqs=args.batch)) as engine:
             batch_row(engine, prompts, 4)  # warm up
@@ -161,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results[-1]), flush=True)
     print(f"\n{args.model}, {args.threads} cores, {args.new_tokens} new tokens after {args.prompt_tokens}")
     for r in results:
-        extra = (f", collectives {r['collective_ms_per_step']:.2f} ms/step ({r['collectives_per_step']:.0f} calls, "
-                 f"{100 * r['collective_share']:.0f}% of the step)" if "collective_ms_per_step" in r else "")
+        if r["row"] == "comm":
+            print(f"  comm only: {r['comm_ms_per_step']:.2f} ms/step ({r['collectives_per_step']} collectives), "
+                  f"{100 * r['share_of_tp2_step']:.1f}% of the TP=2 step")
+            continue
+        extra = (f", rank 0 in collectives {r['collective_ms_per_step']:.2f} ms/step "
+                 f"({r['collectives_per_step']:.0f} calls, {100 * r['collective_share']:.0f}% of the step, "
+                 f"waiting included)" if "collective_ms_per_step" in r else "")
         speed = (f"{r['decode_tok_s']:.2f} decode tok/s, {r['step_ms']:.1f} ms/step" if "decode_tok_s" in r
                  else f"{r['tok_s']:.2f} tok/s")
         print(f"  {r['row']} batch {r['batch']}: {speed}{extra}")

@@ -24,11 +24,13 @@ def test_bench_parallel_prints_every_row_and_writes_its_json(tmp_path: Path) -> 
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads(out.read_text())}
-    assert list(rows) == ["TP=1", "TP=2", "PP=1", "PP=2"]
+    assert list(rows) == ["TP=1", "TP=2", "comm", "PP=1", "PP=2"]
+    assert rows["comm"]["collectives_per_step"] == rows["TP=2"]["collectives_per_step"]
+    assert rows["comm"]["comm_ms_per_step"] > 0
     assert "collective_ms_per_step" not in rows["TP=1"]
     # stories260K has 5 layers: 2 all-reduces each, the embedding's, the logits' gather and
     # the step's 2 broadcasts.
     assert rows["TP=2"]["collectives_per_step"] == 5 * 2 + 1 + 1 + 2
     assert 0 < rows["TP=2"]["collective_share"] < 1
-    assert all(r.get("tok_s", r.get("decode_tok_s", 0)) > 0 for r in rows.values())
-    assert "TP=2 batch 1:" in proc.stdout and "% of the step)" in proc.stdout
+    assert all(r.get("tok_s", r.get("decode_tok_s", 1)) > 0 for r in rows.values())
+    assert "TP=2 batch 1:" in proc.stdout and "comm only:" in proc.stdout

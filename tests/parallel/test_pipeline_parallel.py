@@ -5,6 +5,11 @@ and the tokens and logits are those of one process; TP = 2 x PP = 2 over four pr
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers
@@ -87,11 +92,29 @@ def test_two_stages_of_two_tensor_ranks_print_the_story(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, 0]
 
 
-def test_stages_that_mix_sliding_and_full_layers_are_refused_naming_the_setting(tmp_path):
+def test_stages_that_mix_sliding_and_full_layers_are_refused_before_any_rank_starts(tmp_path):
     path = tmp_path / "qwen2"
     config = transformers.Qwen2Config(**{**BASE, "num_hidden_layers": 2}, use_sliding_window=True, sliding_window=5,
                                       layer_types=["sliding_attention", "full_attention"])
     save_widened(path, transformers.Qwen2ForCausalLM, config, 5)
+    before = set(multiprocessing.active_children())
     with pytest.raises(ConfigError) as exc:
         zllm.Engine.from_config(write_config(tmp_path, path, parallel={"pipeline": 2}))
-    assert exc.value.path == "parallel.pipeline" and "mix sliding-window and full-attention" in str(exc.value)
+    assert exc.value.path == "parallel.pipeline"
+    assert "(layers 0-0: window 5; layers 1-1: full attention)" in str(exc.value)
+    assert set(multiprocessing.active_children()) == before, "refused before any rank starts"
+
+
+@pytest.mark.parametrize(("parallel", "world", "message"), [
+    ({"pipeline": 6}, 6, "parallel.pipeline: 6 stages exceed the 5 layers"),
+    ({"tensor": 2}, 3, "parallel.tensor: parallel.tensor 2 x parallel.pipeline 1 needs 2 processes, but 3 were "
+                       "started"),
+])
+def test_a_torchrun_rank_refuses_sizes_that_do_not_fit_before_joining(tmp_path, parallel, world, message):
+    # What every rank of `torchrun --nproc-per-node N -m zllm run` sees: torchrun's variables.
+    cfg = write_config(tmp_path, MODEL_DIR / "hf", parallel=parallel)
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": str(world), "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nobody listens there: joining would fail otherwise
+    proc = subprocess.run([sys.executable, "-m", "zllm", "run", "--config", str(cfg)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

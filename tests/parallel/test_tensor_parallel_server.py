@@ -131,7 +131,7 @@ def test_a_rank_that_hangs_is_given_up_on_after_the_process_group_timeout(tmp_pa
 
 
 @pytest.mark.slow
-def test_under_torchrun_a_dead_rank_fails_every_rank_and_rank_0_names_it(tmp_path):
+def test_under_torchrun_only_rank_0_serves_and_a_dead_rank_fails_every_rank_naming_it(tmp_path):
     port = free_port()
     config = write_config(tmp_path, MODEL_DIR / "hf", parallel={"tensor": 2}, server={"port": port})
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -149,6 +149,7 @@ def test_under_torchrun_a_dead_rank_fails_every_rank_and_rank_0_names_it(tmp_pat
             if job.poll() is None:
                 job.kill()
     text = log.read_text()
+    assert text.count("zllm: serving") == 1  # only rank 0 serves and prints
     assert "error: rank 1 stopped answering" in text  # rank 0's own last line
     assert "exitcode  : 3" in text and "exitcode  : -9" in text  # torchrun's report: rank 0 failed too
 

@@ -167,7 +167,7 @@ def micro_batches(meta: AttentionMetadata, logits_indices: torch.Tensor, count: 
         if acc * count >= total * len(bounds) and len(bounds) < count:
             bounds.append(s + 1)
     bounds.append(len(lens))
-    rows = torch.tensor([0, *itertools.accumulate(lens)]).tolist()
+    rows = [0, *itertools.accumulate(lens)]
     idx = logits_indices.tolist()
     assert idx == sorted(idx), "micro-batches need logits rows in batch order"
     out = []
@@ -206,7 +206,9 @@ class PipelineModel:
         """The step's logits f32 ``[S', V]`` on rank 0, None elsewhere."""
         par, model = self._par, self._model
         width = model.hidden_size
+        assert par.pp_size > 1, "one stage runs the model itself"
         pending = []
+        sent: list[torch.Tensor] = []  # kept alive until their sends complete
         logits = []
         batches = micro_batches(meta, logits_indices, par.pp_size)
         for mb in batches:
@@ -219,12 +221,12 @@ class PipelineModel:
             out = model.forward(token_ids[mb.rows], positions[mb.rows], mb.meta, kv_caches, mb.logits_indices,
                                 hidden=hidden)
             if not par.last_stage:
-                pending += [dist.isend(h.contiguous(), dst=par.stage_rank(par.pp_rank + 1)) for h in out]
-            elif par.pp_rank == 0:
-                logits.append(out)
+                sent += [h.contiguous() for h in out]
+                pending += [dist.isend(h, dst=par.stage_rank(par.pp_rank + 1)) for h in sent[-2:]]
             elif par.tp_rank == 0 and out.shape[0]:  # rank 0 knows which micro-batches have no logits rows
-                pending.append(dist.isend(out.contiguous(), dst=0))
-        if dist.get_rank() == 0 and not par.last_stage:
+                sent.append(out.contiguous())
+                pending.append(dist.isend(sent[-1], dst=0))
+        if dist.get_rank() == 0:
             last = par.pp_size - 1
             for mb in batches:
                 part = torch.empty(mb.logits_indices.shape[0], model.vocab_size, device=self._device)
@@ -236,7 +238,7 @@ class PipelineModel:
                 work.wait()
         if dist.get_rank() != 0:
             return None
-        return torch.cat(logits) if len(logits) > 1 else logits[0]
+        return torch.cat(logits)
 
 
 class DriverModel:
@@ -304,24 +306,6 @@ def serve_steps(model: Any, kv_layers: list[Any], device: torch.device, scale: f
                                  query_lens=tuple(lens[:s]), context_lens=tuple(lens[s:]), scale=scale)
         with torch.inference_mode():
             model.forward(payload[:t], payload[t: 2 * t], meta, kv_layers, payload[3 * t: 3 * t + r])
-
-
-def check_same_window(window: int | None, device: torch.device) -> None:
-    """Refuse pipeline stages whose KV caches would evict differently: rank 0's allocator
-    frees blocks outside a sliding window only when every layer slides by the same window,
-    and it sees only its own stage's layers.
-
-    Raises:
-        ConfigError: (``parallel.pipeline``) the stages' evictable windows differ.
-    """
-    mine = torch.tensor([-1 if window is None else window], dtype=torch.int64, device=device)
-    low, high = mine.clone(), mine.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if int(low.item()) != int(high.item()):
-        raise ConfigError("parallel.pipeline", "the stages mix sliding-window and full-attention layers (or "
-                                               "windows), which one KV block allocator cannot serve; use another "
-                                               "parallel.pipeline or 1")
 
 
 HEARTBEAT_S = 0.5

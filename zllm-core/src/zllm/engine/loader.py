@@ -29,7 +29,6 @@ from zllm.engine.distributed import (
     PipelineModel,
     agree_num_blocks,
     check_launch,
-    check_same_window,
     join_group,
 )
 from zllm.kernels.bound import BoundOps
@@ -135,6 +134,14 @@ def _sharded_specs(family: Any, spec: object, parallel: ParallelContext, family_
     return family.tensor_specs(spec, parallel=parallel)
 
 
+def _check_stage_count(cfg: ZllmConfig, ckpt: Checkpoint) -> None:
+    """Raises ConfigError (``parallel.pipeline``): more stages than the checkpoint has layers."""
+    layers = ckpt.config.get("num_hidden_layers")
+    if isinstance(layers, int) and cfg.parallel.pipeline > layers:
+        raise ConfigError("parallel.pipeline", f"{cfg.parallel.pipeline} stages exceed the {layers} layers of "
+                                               f"{ckpt.path}; each stage holds at least one layer")
+
+
 def check_parallel_fits(cfg: ZllmConfig, host: PluginHost) -> None:
     """Refuse ``cfg.parallel`` sizes the model cannot be split by, reading only the
     checkpoint's headers (before any process is started or weight read).
@@ -147,10 +154,7 @@ def check_parallel_fits(cfg: ZllmConfig, host: PluginHost) -> None:
         CheckpointError, UnknownArchitectureError: as :func:`load_model`.
     """
     ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
-    layers = ckpt.config.get("num_hidden_layers")
-    if isinstance(layers, int) and cfg.parallel.pipeline > layers:
-        raise ConfigError("parallel.pipeline", f"{cfg.parallel.pipeline} stages exceed the {layers} layers of "
-                                               f"{ckpt.path}; each stage holds at least one layer")
+    _check_stage_count(cfg, ckpt)
     info = resolve_family(host, ckpt)
     family = info.load()
     present = set(ckpt.tensor_names())
@@ -185,6 +189,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     if launch is not None:
         check_launch(cfg, launch)
     ckpt = open_checkpoint(cfg.model.path, cfg.model.format, gguf_maps=host.gguf_maps)
+    if launch is not None:
+        _check_stage_count(cfg, ckpt)
     info = resolve_family(host, ckpt)
     family = info.load()
     spec = family.parse_config(ckpt.config, str(ckpt.path))
@@ -239,8 +245,6 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                                  device=str(backend.device))
     if launch is not None:
         blocks = agree_num_blocks(blocks, backend.device)
-        if parallel.pp_size > 1:
-            check_same_window(model_kv_spec(model).evictable_window, backend.device)
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
                        ctx, time.perf_counter() - t0, blocks, parallel)
 
