@@ -48,7 +48,8 @@ def test_calling_an_op_bound_in_two_variants_without_naming_one_raises(registry)
         ops.rope(*_rope_inputs())
 
 
-@pytest.mark.parametrize("cap, fn", [(NEOX, apply_rope), (GPTJ, apply_rope_gptj)], ids=str)
+@pytest.mark.parametrize("cap, fn", [(NEOX, apply_rope), (GPTJ, apply_rope_gptj)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
 def test_an_op_bound_in_one_variant_is_that_kernel(registry, cap, fn):
     ops = BoundOps(registry, "test", {cap}, ops=CORE_OPS)
 
