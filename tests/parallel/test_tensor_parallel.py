@@ -128,13 +128,13 @@ def test_quantized_row_parallel_slice_off_its_blocks_is_refused_naming_the_tenso
 
 
 def test_a_rank_that_cannot_reach_the_rendezvous_exits_naming_the_setting(tmp_path, free_port):
-    cfg = write_config(tmp_path, MODEL_DIR / "hf", parallel={"tensor": 2, "timeout_s": 2})
+    cfg = write_config(tmp_path, MODEL_DIR / "hf", parallel={"tensor": 2, "startup_timeout_s": 2})
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port)}
     proc = subprocess.run([sys.executable, "-m", "zllm", "run", "--config", str(cfg)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "parallel.timeout_s: rank 1 could not join" in proc.stderr
+    assert "parallel.startup_timeout_s: rank 1 could not join" in proc.stderr
     assert proc.stdout == ""
 
 

@@ -123,8 +123,8 @@ def test_a_rank_that_dies_ends_requests_in_flight_with_503_and_the_server_exits_
 @pytest.mark.slow
 def test_a_rank_that_hangs_is_given_up_on_after_the_process_group_timeout(tmp_path):
     # SIGSTOP: the rank is alive but never answers; rank 0's collective times out (parallel.timeout_s,
-    # which bounds the ranks' rendezvous at start too, so it leaves the spawned rank time to import torch).
-    srv, error, log = _fails_in_flight(tmp_path, lambda p: p.send_signal(signal.SIGSTOP), timeout_s=10)
+    # which bounds each step only: parallel.startup_timeout_s leaves the spawned rank time to import torch).
+    srv, error, log = _fails_in_flight(tmp_path, lambda p: p.send_signal(signal.SIGSTOP), timeout_s=3)
     assert isinstance(error, openai.APIError) and "engine failed" in str(error)
     assert srv.proc.returncode == EXIT_RANK_FAILED, log
     assert "rank 1 stopped answering" in log
