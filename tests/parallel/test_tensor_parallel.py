@@ -20,6 +20,8 @@ import transformers
 import zllm
 from tests.conftest import MODEL_DIR, REFERENCE_TEXT, write_config
 from tests.gguf_files import requantize
+from tests.gpt_oss_checkpoint import VOCAB as GPT_OSS_VOCAB
+from tests.gpt_oss_checkpoint import save_gpt_oss
 from tests.parity.hf_models import PROMPT, save_widened
 from tests.parity.test_deepseek_vs_transformers import _save as save_deepseek
 from tests.parity.test_families_vs_transformers import _write_gguf
@@ -80,6 +82,14 @@ def test_deepseek_mla_moe_with_two_ranks_gives_one_rank_greedy_tokens_and_logits
     # cache replicated, heads and every expert's width split.
     _model, path = save_deepseek(tmp_path, "v3-moe-grouped-bias-norm")
     _check_two_ranks_match_one(tmp_path, path, 512)
+
+
+@pytest.mark.slow
+def test_gpt_oss_with_two_ranks_gives_one_rank_greedy_tokens_and_logits(tmp_path):
+    # Query heads split with their sinks and q/k/v bias rows, the two KV heads split, o_proj's
+    # and the experts' down biases added once; every expert split by its width, the router whole.
+    save_gpt_oss(tmp_path / "gpt_oss", biased=True)
+    _check_two_ranks_match_one(tmp_path, tmp_path / "gpt_oss", GPT_OSS_VOCAB)
 
 
 def _check_two_ranks_match_one(tmp_path: Path, path: Path, vocab: int) -> None:
