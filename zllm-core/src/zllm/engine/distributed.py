@@ -256,6 +256,7 @@ class DriverModel:
         self._model, self._device, self._on_error = model, device, on_error
         # One caller of the collectives at a time: the engine loop's steps and the idle beats.
         self._lock = threading.Lock()
+        self._stopped = False
         self.last_sent = time.monotonic()
         """When rank 0 last sent the other ranks a header (``time.monotonic()``)."""
 
@@ -293,6 +294,7 @@ class DriverModel:
     def stop_workers(self) -> None:
         """Tell the other ranks to leave their step loop (they exit 0)."""
         with self._lock:
+            self._stopped = True
             dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64, device=self._device), src=0)
 
     def beat_if_idle(self, idle_s: float) -> None:
@@ -300,7 +302,7 @@ class DriverModel:
         they wait for each header no longer than ``parallel.timeout_s``, and an idle engine
         runs no steps."""
         with self._lock:
-            if time.monotonic() - self.last_sent < idle_s:
+            if self._stopped or time.monotonic() - self.last_sent < idle_s:
                 return
             self.last_sent = time.monotonic()
             dist.broadcast(torch.tensor([_IDLE, 0, 0, 0], dtype=torch.int64, device=self._device), src=0)
