@@ -83,15 +83,19 @@ def write_tokenizer(dst: Path) -> None:
          "add_prefix_space": False, "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
 
 
-def save_gpt_oss(path: Path, seed: int = 14) -> transformers.PreTrainedModel:
-    """Save the tiny gpt-oss model to ``path`` in f32 with its tokenizer; returns the model."""
+def save_gpt_oss(path: Path, seed: int = 14, biased: bool = False, **overrides: object) -> transformers.PreTrainedModel:
+    """Save the tiny gpt-oss model (:data:`CONFIG`, with ``overrides``) to ``path`` in f32 with its
+    tokenizer; returns the model. ``biased``: draw every bias (attention, experts; init leaves
+    them 0) from N(0, 0.5), so a test sees where each one is added."""
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model("gpt_oss", **CONFIG)
+    config = transformers.AutoConfig.for_model("gpt_oss", **{**CONFIG, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape) + 1.0)
+            elif biased and name.endswith("bias"):
+                p.copy_(torch.randn(p.shape) * 0.5)
             else:
                 p.mul_(12.0 if name.endswith("gate_up_proj") else 4.0)
     model.save_pretrained(path)

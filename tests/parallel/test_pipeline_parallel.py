@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 import zllm
 from tests.concurrent_requests import run_together
 from tests.conftest import MODEL_DIR, REFERENCE_TEXT, write_config
+from tests.gpt_oss_checkpoint import save_gpt_oss
 from tests.parity.hf_models import PROMPT, save_widened
+from tests.parity.test_deepseek_vs_transformers import _save as save_deepseek
 from zllm.capabilities.ops import AttentionMetadata
 from zllm.capabilities.parallel import ParallelContext
 from zllm.engine.distributed import micro_batches
@@ -79,6 +81,33 @@ def test_concurrent_requests_in_micro_batches_equal_one_process(tmp_path):
     with zllm.Engine.from_config(write_config(tmp_path / "pp", path, parallel={"pipeline": 2})) as pp:
         logits_2, together = pp.prompt_logits(PROMPT)[-1], run_together(pp, reqs)
     assert together == solo
+    torch.testing.assert_close(logits_2, logits_1, rtol=0, atol=1e-4 * logits_1.abs().max().item())
+
+
+@pytest.mark.slow
+def test_gpt_oss_with_two_stages_gives_one_stage_greedy_tokens_and_logits(tmp_path):
+    # Four layers alternating sliding and full: each stage holds one of each, so the stages' KV
+    # caches evict alike (two layers would put a sliding stage beside a full one: refused).
+    save_gpt_oss(tmp_path / "gpt_oss", biased=True, num_hidden_layers=4)
+    _check_two_stages_match_one(tmp_path, tmp_path / "gpt_oss")
+
+
+@pytest.mark.slow
+def test_deepseek_with_two_stages_gives_one_stage_greedy_tokens_and_logits(tmp_path):
+    # A dense MLA layer on the first stage, an MoE one (grouped routing, shared expert) on the last.
+    _model, path = save_deepseek(tmp_path, "v3-moe-grouped-bias-norm")
+    _check_two_stages_match_one(tmp_path, path)
+
+
+def _check_two_stages_match_one(tmp_path, path) -> None:
+    req = {"prompt_token_ids": PROMPT, "max_tokens": 16, "ignore_eos": True, "stop_token_ids": []}
+    (tmp_path / "one").mkdir()
+    with zllm.Engine.from_config(write_config(tmp_path / "one", path)) as one:
+        logits_1, tokens_1 = one.prompt_logits(PROMPT)[-1], one.generate(req)["token_ids"]
+    (tmp_path / "pp").mkdir()
+    with zllm.Engine.from_config(write_config(tmp_path / "pp", path, parallel={"pipeline": 2})) as pp:
+        logits_2, tokens_2 = pp.prompt_logits(PROMPT)[-1], pp.generate(req)["token_ids"]
+    assert tokens_2 == tokens_1
     torch.testing.assert_close(logits_2, logits_1, rtol=0, atol=1e-4 * logits_1.abs().max().item())
 
 

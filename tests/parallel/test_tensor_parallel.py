@@ -20,6 +20,8 @@ import transformers
 import zllm
 from tests.conftest import MODEL_DIR, REFERENCE_TEXT, write_config
 from tests.gguf_files import requantize
+from tests.gpt_oss_checkpoint import VOCAB as GPT_OSS_VOCAB
+from tests.gpt_oss_checkpoint import save_gpt_oss
 from tests.parity.hf_models import PROMPT, save_widened
 from tests.parity.test_deepseek_vs_transformers import _save as save_deepseek
 from tests.parity.test_families_vs_transformers import _write_gguf
@@ -82,6 +84,14 @@ def test_deepseek_mla_moe_with_two_ranks_gives_one_rank_greedy_tokens_and_logits
     _check_two_ranks_match_one(tmp_path, path, 512)
 
 
+@pytest.mark.slow
+def test_gpt_oss_with_two_ranks_gives_one_rank_greedy_tokens_and_logits(tmp_path):
+    # Query heads split with their sinks and q/k/v bias rows, the two KV heads split, o_proj's
+    # and the experts' down biases added once; every expert split by its width, the router whole.
+    save_gpt_oss(tmp_path / "gpt_oss", biased=True)
+    _check_two_ranks_match_one(tmp_path, tmp_path / "gpt_oss", GPT_OSS_VOCAB)
+
+
 def _check_two_ranks_match_one(tmp_path: Path, path: Path, vocab: int) -> None:
     (tmp_path / "tp1").mkdir()
     with zllm.Engine.from_config(write_config(tmp_path / "tp1", path)) as one:
@@ -128,13 +138,13 @@ def test_quantized_row_parallel_slice_off_its_blocks_is_refused_naming_the_tenso
 
 
 def test_a_rank_that_cannot_reach_the_rendezvous_exits_naming_the_setting(tmp_path, free_port):
-    cfg = write_config(tmp_path, MODEL_DIR / "hf", parallel={"tensor": 2, "timeout_s": 2})
+    cfg = write_config(tmp_path, MODEL_DIR / "hf", parallel={"tensor": 2, "startup_timeout_s": 2})
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port)}
     proc = subprocess.run([sys.executable, "-m", "zllm", "run", "--config", str(cfg)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "parallel.timeout_s: rank 1 could not join" in proc.stderr
+    assert "parallel.startup_timeout_s: rank 1 could not join" in proc.stderr
     assert proc.stdout == ""
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -89,11 +90,13 @@ def test_cancelled_stream_frees_its_kv_blocks_and_the_ranks_keep_serving(client,
 # --- a rank that dies or hangs ---------------------------------------------------------------
 
 
-def _fails_in_flight(tmp_path: Path, break_rank, timeout_s: float) -> tuple[Server, BaseException, str]:
-    """Start a TP = 2 server, begin a long stream, break its rank 1 with ``break_rank`` mid-stream;
-    return the server (exited), the stream's error and the server's log."""
+def _fails_in_flight(tmp_path: Path, break_rank, timeout_s: float,
+                     idle_s: float = 0.0) -> tuple[Server, BaseException, str]:
+    """Start a TP = 2 server, leave it idle ``idle_s`` seconds, begin a long stream, break its rank 1
+    with ``break_rank`` mid-stream; return the server (exited), the stream's error and the server's log."""
     srv = start_server(tmp_path, chat_model_dir(tmp_path / "m"), parallel={"tensor": 2, "timeout_s": timeout_s})
     (rank,) = _rank_processes(srv)
+    time.sleep(idle_s)
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
     try:
         stream = client.completions.create(model=srv.model, prompt="", max_tokens=100_000, stream=True,
@@ -123,8 +126,9 @@ def test_a_rank_that_dies_ends_requests_in_flight_with_503_and_the_server_exits_
 @pytest.mark.slow
 def test_a_rank_that_hangs_is_given_up_on_after_the_process_group_timeout(tmp_path):
     # SIGSTOP: the rank is alive but never answers; rank 0's collective times out (parallel.timeout_s,
-    # which bounds the ranks' rendezvous at start too, so it leaves the spawned rank time to import torch).
-    srv, error, log = _fails_in_flight(tmp_path, lambda p: p.send_signal(signal.SIGSTOP), timeout_s=10)
+    # which bounds each step only: parallel.startup_timeout_s leaves the spawned rank time to import torch).
+    # Idle longer than that first: the idle rank 0's beats keep the rank waiting for the next step.
+    srv, error, log = _fails_in_flight(tmp_path, lambda p: p.send_signal(signal.SIGSTOP), timeout_s=3, idle_s=4)
     assert isinstance(error, openai.APIError) and "engine failed" in str(error)
     assert srv.proc.returncode == EXIT_RANK_FAILED, log
     assert "rank 1 stopped answering" in log

@@ -12,7 +12,7 @@ and implement hooks from :mod:`zllm.plugins.hookspecs` decorated with :data:`hoo
 from zllm.capabilities import Capability
 from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
-from zllm.capabilities.parallel import SINGLE, ParallelContext, check_tensor_parallel
+from zllm.capabilities.parallel import SINGLE, ParallelContext, check_stage_windows, check_tensor_parallel
 from zllm.domain.family import FamilyInfo, KVCacheShape
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
 from zllm.domain.mla import MlaConfig, mla_config_from_hf
@@ -86,6 +86,7 @@ __all__ = [
     "SINGLE",
     "Shard",
     "WeightFormat",
+    "check_stage_windows",
     "check_tensor_parallel",
     "default_inv_freq",
     "dequantize",

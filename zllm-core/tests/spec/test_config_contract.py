@@ -197,6 +197,7 @@ BAD_VALUES = [
     ("parallel.pipeline", "2", "expected a positive int, got '2'"),
     ("parallel.data", True, "expected a positive int, got True"),
     ("parallel.timeout_s", 0, "expected a number > 0, got 0.0"),
+    ("parallel.startup_timeout_s", -1, "expected a number > 0, got -1.0"),
 ]
 
 

@@ -154,3 +154,29 @@ def check_tensor_parallel(tp_size: int, *, num_heads: int, num_kv_heads: int, so
         raise ConfigError("parallel.tensor", f"{tp_size} and the {num_kv_heads} KV heads of {source} do not "
                                              f"divide one another; KV heads are split when they are a multiple "
                                              f"of it and replicated when it is a multiple of them")
+
+
+def check_stage_windows(layer_windows: tuple[int | None, ...], pp_size: int) -> None:
+    """Refuse pipeline stages whose KV caches would evict differently: rank 0's one block
+    allocator frees blocks outside a sliding window only when every layer it sees slides by
+    the same window, and it sees only the first stage's layers.
+
+    Args:
+        layer_windows: each layer's sliding window in tokens, None for full attention.
+        pp_size: the number of pipeline stages.
+
+    Raises:
+        ConfigError: (``parallel.pipeline``) a stage of only sliding layers beside one with
+            full-attention layers or another window; names the stages' layers.
+    """
+    if pp_size == 1:
+        return
+    stages = [ParallelContext(pp_rank=r, pp_size=pp_size).stage_layers(len(layer_windows)) for r in range(pp_size)]
+    windows = [layer_windows[s.start: s.stop] for s in stages]
+    evictable = [None if None in w else max(x for x in w if x is not None) for w in windows]
+    if len(set(evictable)) > 1:
+        layout = "; ".join(f"layers {s.start}-{s.stop - 1}: " + ("full attention" if e is None else f"window {e}")
+                           for s, e in zip(stages, evictable, strict=True))
+        raise ConfigError("parallel.pipeline", f"{pp_size} stages would mix sliding-window and full-attention "
+                                               f"layers ({layout}), which one KV block allocator cannot serve; "
+                                               f"use another parallel.pipeline or 1")

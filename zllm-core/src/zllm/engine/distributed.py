@@ -41,6 +41,7 @@ from zllm.spec.errors import ConfigError, PluginError
 log = logging.getLogger(__name__)
 
 _STOP = -1  # a header's token count that tells the other ranks to leave their loop
+_IDLE = -2  # a header's token count that only says rank 0 is alive and idle
 
 
 @attrs.frozen
@@ -111,23 +112,26 @@ def per_rank_config(cfg: ZllmConfig, launch: Launch) -> ZllmConfig:
 def join_group(backend: object, backend_name: str, launch: Launch, timeout_s: float,
                tensor: int) -> ParallelContext:
     """Join the ranks' process group over the backend's collectives; blocks until every
-    rank joined or ``timeout_s`` passed. Ranks are numbered stage-major (``tensor`` ranks
-    per pipeline stage); each stage's ranks get their own tensor-parallel group.
+    rank joined or ``timeout_s`` (``parallel.startup_timeout_s``) passed, which also bounds
+    the collectives until :func:`agree_num_blocks` (the ranks load their shards in between).
+    Ranks are numbered stage-major (``tensor`` ranks per pipeline stage); each stage's ranks
+    get their own tensor-parallel group.
 
     Raises:
         PluginError: the backend declares no ``process_group_backend`` (it provides no collectives).
-        ConfigError: (``parallel.timeout_s``) the other ranks did not join in time (a rank
-            that could not start or cannot reach the rendezvous).
+        ConfigError: (``parallel.startup_timeout_s``) the other ranks did not join in time (a
+            rank that could not start or cannot reach the rendezvous).
     """
     pg_backend = getattr(backend, "process_group_backend", None)
     if not isinstance(pg_backend, str):
         raise PluginError(f"backend {backend_name!r} provides no collectives (no process_group_backend), so it "
                           f"cannot run parallel.tensor > 1")
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
         dist.init_process_group(pg_backend, init_method=launch.init_method, rank=launch.rank,
-                                world_size=launch.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                                world_size=launch.world_size, timeout=timeout)
     except (RuntimeError, ValueError) as exc:  # torch reports a failed rendezvous as either
-        raise ConfigError("parallel.timeout_s", f"rank {launch.rank} could not join the other "
+        raise ConfigError("parallel.startup_timeout_s", f"rank {launch.rank} could not join the other "
                                                 f"{launch.world_size - 1} rank(s) at {launch.init_method} within "
                                                 f"{timeout_s:g} s: {exc}") from None
     stages = launch.world_size // tensor
@@ -136,7 +140,8 @@ def join_group(backend: object, backend_name: str, launch: Launch, timeout_s: fl
         group = dist.group.WORLD
         if stages > 1:
             # Every rank creates every group, in the same order (torch.distributed's rule).
-            groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor))) for s in range(stages)]
+            groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor)), timeout=timeout)
+                      for s in range(stages)]
             group = groups[launch.rank // tensor]
     return ParallelContext(launch.rank % tensor, tensor, group, launch.rank // tensor, stages)
 
@@ -249,6 +254,11 @@ class DriverModel:
     def __init__(self, model: Any, device: torch.device, on_error: Callable[[str], None] | None = None):
         """``on_error``: told (a message) when a collective fails, before the error propagates."""
         self._model, self._device, self._on_error = model, device, on_error
+        # One caller of the collectives at a time: the engine loop's steps and the idle beats.
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.last_sent = time.monotonic()
+        """When rank 0 last sent the other ranks a header (``time.monotonic()``)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -262,7 +272,9 @@ class DriverModel:
                 did not answer within ``parallel.timeout_s`` (hung).
         """
         try:
-            return self._step(token_ids, positions, meta, kv_caches, logits_indices)
+            with self._lock:
+                self.last_sent = time.monotonic()
+                return self._step(token_ids, positions, meta, kv_caches, logits_indices)
         except RuntimeError as exc:
             if self._on_error is not None:
                 self._on_error(f"a collective with the other ranks failed ({exc}); a rank died or hung")
@@ -281,7 +293,19 @@ class DriverModel:
 
     def stop_workers(self) -> None:
         """Tell the other ranks to leave their step loop (they exit 0)."""
-        dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64, device=self._device), src=0)
+        with self._lock:
+            self._stopped = True
+            dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64, device=self._device), src=0)
+
+    def beat_if_idle(self, idle_s: float) -> None:
+        """Send the other ranks an idle header when no step went out for ``idle_s`` seconds:
+        they wait for each header no longer than ``parallel.timeout_s``, and an idle engine
+        runs no steps."""
+        with self._lock:
+            if self._stopped or time.monotonic() - self.last_sent < idle_s:
+                return
+            self.last_sent = time.monotonic()
+            dist.broadcast(torch.tensor([_IDLE, 0, 0, 0], dtype=torch.int64, device=self._device), src=0)
 
 
 def serve_steps(model: Any, kv_layers: list[Any], device: torch.device, scale: float) -> None:
@@ -298,6 +322,8 @@ def serve_steps(model: Any, kv_layers: list[Any], device: torch.device, scale: f
         t, r, s, width = header.tolist()
         if t == _STOP:
             return
+        if t == _IDLE:
+            continue
         payload = torch.empty(3 * t + r + s * width + 2 * s, dtype=torch.int64, device=device)
         dist.broadcast(payload, src=0)
         lens = payload[3 * t + r + s * width:].tolist()
@@ -352,10 +378,19 @@ def silent_ranks(world_size: int) -> list[int]:
         return []
 
 
-def agree_num_blocks(num_blocks: int, device: torch.device) -> int:
-    """The fewest KV blocks any rank can hold (each sized its cache from its own memory)."""
+def agree_num_blocks(num_blocks: int, device: torch.device, parallel: ParallelContext, step_timeout_s: float) -> int:
+    """The fewest KV blocks any rank can hold (each sized its cache from its own memory).
+
+    The last collective of the start (every rank has loaded its shards when it completes):
+    from then on the collectives of ``parallel``'s groups wait at most ``step_timeout_s``
+    (``parallel.timeout_s``) instead of the start's bound."""
     n = torch.tensor([num_blocks], dtype=torch.int64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    step = datetime.timedelta(seconds=step_timeout_s)
+    # torch sets a group's timeout only when it is created, or through this accessor.
+    dist.distributed_c10d._set_pg_timeout(step)
+    if parallel.group is not None and parallel.group is not dist.group.WORLD:
+        dist.distributed_c10d._set_pg_timeout(step, parallel.group)
     return int(n.item())
 
 
@@ -387,7 +422,10 @@ class RankGroup:
     non-zero).
     """
 
-    def __init__(self, model: Any, device: torch.device, procs: list[multiprocessing.process.BaseProcess]):
+    def __init__(self, model: Any, device: torch.device, procs: list[multiprocessing.process.BaseProcess],
+                 timeout_s: float = 60.0):
+        """``timeout_s``: ``parallel.timeout_s``, how long the other ranks wait for each header;
+        an idle rank 0 sends one every quarter of it."""
         self.driver = DriverModel(model, device, on_error=self.fail)
         self.procs = procs
         self.failure: str | None = None
@@ -398,6 +436,16 @@ class RankGroup:
         self._watchdog = threading.Thread(target=self._watch, name="zllm-rank-watchdog", daemon=True)
         if procs:
             self._watchdog.start()
+        self._beat_s = timeout_s / 4
+        threading.Thread(target=self._keep_alive, name="zllm-rank-keepalive", daemon=True).start()
+
+    def _keep_alive(self) -> None:
+        while not self._closing.wait(self._beat_s / 2) and self.failure is None:
+            try:
+                self.driver.beat_if_idle(self._beat_s)
+            except RuntimeError as exc:
+                self.fail(f"a collective with the other ranks failed ({exc}); a rank died or hung")
+                return
 
     def _watch(self) -> None:
         while not self._closing.wait(0.2):

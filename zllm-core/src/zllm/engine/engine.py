@@ -193,7 +193,7 @@ class Engine:
         except BaseException:
             RankGroup.reap(procs)
             raise
-        return cls(loaded, host, RankGroup(loaded.model, loaded.backend.device, procs))
+        return cls(loaded, host, RankGroup(loaded.model, loaded.backend.device, procs, cfg.parallel.timeout_s))
 
     @property
     def config(self) -> ZllmConfig:

@@ -209,7 +209,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     check_device_capabilities(backend, needed, choice.info.name, info.name)
     parallel = SINGLE
     if launch is not None:
-        parallel = join_group(backend, choice.info.name, launch, cfg.parallel.timeout_s, cfg.parallel.tensor)
+        parallel = join_group(backend, choice.info.name, launch, cfg.parallel.startup_timeout_s, cfg.parallel.tensor)
         specs = _sharded_specs(family, spec, parallel, info.name)
     ops = BoundOps(host.kernels, choice.info.name, needed, cfg.backend.force_reference,
                    batch_invariant=cfg.runtime.batch_invariant, ops=host.ops)
@@ -244,7 +244,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                                  weight_bytes=sum(_nbytes(ckpt, n, formats[n]) for n in formats),
                                  device=str(backend.device))
     if launch is not None:
-        blocks = agree_num_blocks(blocks, backend.device)
+        blocks = agree_num_blocks(blocks, backend.device, parallel, cfg.parallel.timeout_s)
     return LoadedModel(cfg, ckpt, info, spec, choice, backend, ops, model, tokenizer, _eos_ids(ckpt, tokenizer),
                        ctx, time.perf_counter() - t0, blocks, parallel)
 

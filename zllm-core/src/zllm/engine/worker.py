@@ -24,7 +24,7 @@ def run_worker(cfg: ZllmConfig, launch: Launch, host: PluginHost | None = None) 
     Raises:
         ZllmError subclasses: loading failed (as :func:`zllm.engine.loader.load_model`).
         RuntimeError: from torch.distributed when another rank died or a collective timed
-            out (``parallel.timeout_s``).
+            out (``parallel.timeout_s``; ``parallel.startup_timeout_s`` before the first step).
     """
     assert launch.rank != 0, "rank 0 runs the engine, not a worker"
     cfg = per_rank_config(cfg, launch)

@@ -12,7 +12,7 @@ A file looks like this (every key but ``model.path`` is optional; defaults shown
       device: null                # device index of the first rank (cuda:N); null = each rank its local rank
       threads: null               # null = number of cores (a rank of N on one node: cores / N)
       force_reference: []         # ops that must run their f32 reference, e.g. [linear]
-    parallel: {tensor: 1, pipeline: 1, data: 1, timeout_s: 60.0}
+    parallel: {tensor: 1, pipeline: 1, data: 1, timeout_s: 60.0, startup_timeout_s: 600.0}
     runtime:
       kv_cache: {block_size: 16, num_blocks: null, dtype: f32}   # dtype: f32 | f16 | bf16
       max_num_seqs: 8
@@ -341,15 +341,20 @@ class ParallelConfig:
             heads, and its KV heads divide it or it divides them.
         pipeline: pipeline stages (contiguous layer ranges), >= 1; at most the model's layers.
         data: engine replicas behind one endpoint, >= 1.
-        timeout_s: seconds a collective may wait for a peer before the rank gives up (torch's
-            process-group timeout, also the watchdog's bound on a step); a dead or hung rank
-            ends the job within it rather than hanging it.
+        timeout_s: seconds a collective of a step may wait for a peer before the rank gives up
+            (torch's process-group timeout once every rank has loaded); a dead or hung rank ends
+            the job within it rather than hanging it. An idle rank 0 keeps the others waiting
+            no longer than a fraction of it.
+        startup_timeout_s: seconds the ranks may take to meet (the rendezvous) and to load
+            their shards, before the first step: import and load times, kept apart from
+            :attr:`timeout_s` so a small step bound catches hangs soon.
     """
 
     tensor: int = _config_field(POSITIVE_INT, 1)
     pipeline: int = _config_field(POSITIVE_INT, 1)
     data: int = _config_field(POSITIVE_INT, 1)
     timeout_s: float = _config_field(POSITIVE_NUMBER, 60.0, converter=to_float)
+    startup_timeout_s: float = _config_field(POSITIVE_NUMBER, 600.0, converter=to_float)
 
     @property
     def world_size(self) -> int:

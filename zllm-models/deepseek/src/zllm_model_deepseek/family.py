@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from zllm.plugin_api import SINGLE, Capability, ConfigError, ParallelContext, Shard, TensorSpec, check_tensor_parallel
 from zllm_model_deepseek.model import DeepseekModel
 from zllm_model_deepseek.spec import DeepseekSpec, spec_from_config
@@ -142,6 +144,8 @@ class DeepseekFamily:
     """Factory for DeepSeek-V2/V3 models (see :class:`zllm.domain.family.ModelFamily`)."""
 
     name = "deepseek"
+    pipeline_stages = True
+    """The layer code runs a contiguous range of layers (``parallel.pipeline``)."""
 
     def parse_config(self, config: dict[str, Any], source: str) -> DeepseekSpec:
         return spec_from_config(config, source)
@@ -149,7 +153,10 @@ class DeepseekFamily:
     def tensor_specs(self, spec: DeepseekSpec, parallel: ParallelContext = SINGLE) -> dict[str, TensorSpec]:
         """Every weight; with tensor parallelism each with this rank's shard (heads, FFN
         widths, vocabulary rows). MTP layers are sharded as decoder layers but not run then
-        (speculative decoding runs on one rank).
+        (speculative decoding runs on one rank). With pipeline stages, the weights of other
+        stages' layers (and the embedding, final norm and ``lm_head`` away from the first and
+        last stage) are marked ``elsewhere``, and so are the MTP layers on every stage: no
+        stage runs them.
 
         Raises:
             ConfigError: ``parallel.tensor`` does not fit the model (:func:`check_fits`).
@@ -157,36 +164,29 @@ class DeepseekFamily:
         check_fits(spec, parallel.tp_size)
         k, v = spec.hidden_size, spec.vocab_size
         vocab = parallel.padded_split(v) if parallel.tp_size > 1 else None
+        last, mine = parallel.last_stage, parallel.stage_layers(spec.num_layers)
+        embed_here = parallel.first_stage or (last and spec.tie_word_embeddings)
         specs = {
-            "model.embed_tokens.weight": TensorSpec((v, k), shard=vocab),
-            "model.norm.weight": TensorSpec((k,)),
+            "model.embed_tokens.weight": TensorSpec((v, k), shard=vocab, elsewhere=not embed_here),
+            "model.norm.weight": TensorSpec((k,), elsewhere=not last),
             # A tied checkpoint may still store lm_head.weight (equal to the embedding).
-            "lm_head.weight": TensorSpec((v, k), optional=spec.tie_word_embeddings, shard=vocab),
+            "lm_head.weight": TensorSpec((v, k), optional=spec.tie_word_embeddings, shard=vocab, elsewhere=not last),
         }
         layers = [(i, moe, False) for i, moe in enumerate(spec.moe_layers)]
         # MTP layers: loaded when present, never required (transformers drops them on save).
         layers += [(spec.num_layers + j, True, True) for j in range(spec.num_nextn_predict_layers)]
         for i, moe, optional in layers:
             p = f"model.layers.{i}."
-            specs[p + "input_layernorm.weight"] = TensorSpec((k,), optional=optional)
-            specs[p + "post_attention_layernorm.weight"] = TensorSpec((k,), optional=optional)
-            specs |= {p + name: s for name, s in _attention_specs(spec, optional, parallel).items()}
-            specs |= {
-                p + name: s
-                for name, s in _ffn_specs(spec, moe and spec.router is not None, optional, parallel).items()
-            }
+            layer = {"input_layernorm.weight": TensorSpec((k,), optional=optional),
+                     "post_attention_layernorm.weight": TensorSpec((k,), optional=optional)}
+            layer |= _attention_specs(spec, optional, parallel)
+            layer |= _ffn_specs(spec, moe and spec.router is not None, optional, parallel)
             if optional:
-                mtp = {
-                    "enorm": (k,),
-                    "hnorm": (k,),
-                    "eh_proj": (k, 2 * k),
-                    "shared_head.norm": (k,),
-                    "shared_head.head": (v, k),
-                    "embed_tokens": (v, k),
-                }
-                specs |= {
-                    f"{p}{name}.weight": TensorSpec(mtp[name], optional=True) for name in MTP_EXTRA
-                }
+                mtp = {"enorm": (k,), "hnorm": (k,), "eh_proj": (k, 2 * k), "shared_head.norm": (k,),
+                       "shared_head.head": (v, k), "embed_tokens": (v, k)}
+                layer |= {f"{name}.weight": TensorSpec(mtp[name], optional=True) for name in MTP_EXTRA}
+            here = i in mine or (optional and parallel.pp_size == 1)
+            specs |= {p + name: attrs.evolve(s, elsewhere=not here) for name, s in layer.items()}
         return specs
 
     def required_capabilities(

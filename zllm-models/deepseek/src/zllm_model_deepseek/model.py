@@ -8,7 +8,8 @@ Every op goes through ``ops`` (the backend's bound kernels); this file names no 
 With tensor parallelism each rank holds ``H / tp`` heads (their query, ``kv_b`` and ``o``
 rows/columns), the whole latent projections and a replicated latent cache, ``1 / tp`` of every
 FFN's intermediate dimension (dense, routed experts, shared experts), and ``V / tp`` vocabulary
-rows; one all-reduce after ``o``, one after the FFN (``zllm_model_deepseek.family``).
+rows; one all-reduce after ``o``, one after the FFN (``zllm_model_deepseek.family``). With
+pipeline stages each rank runs only its stage's contiguous layers, and the MTP layers not at all.
 
 Sources: DeepSeek-V2 (arXiv:2405.04434 §2.1 MLA, §2.2 DeepSeekMoE), DeepSeek-V3
 (arXiv:2412.19437); transformers 5's ``DeepseekV2DecoderLayer`` / ``DeepseekV3DecoderLayer``.
@@ -155,26 +156,29 @@ class DeepseekModel:
         self._heads = spec.mla.num_heads // parallel.tp_size
         self._row_bias = parallel.tp_rank == 0  # a row-parallel bias is added once, before the all-reduce
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
         self.context_length = spec.context_length
         m = spec.mla
-        # One latent row per token and layer, no V (DeepSeek-V2 §2.1.2); scores scaled by
-        # (Dn + Dr) ** -0.5 times YaRN's mscale(mscale_all_dim) ** 2.
+        mine = parallel.stage_layers(spec.num_layers)
+        # One latent row per token and layer of this stage, no V (DeepSeek-V2 §2.1.2); scores
+        # scaled by (Dn + Dr) ** -0.5 times YaRN's mscale(mscale_all_dim) ** 2.
         self.kv_spec = KVCacheSpec(
-            (KVLayerSpec((KVTensor("latent", 1, m.latent_dim),)),) * spec.num_layers,
+            (KVLayerSpec((KVTensor("latent", 1, m.latent_dim),)),) * len(mine),
             attention_scale=m.softmax_scale,
         )
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
-        self.norm = weights["model.norm.weight"]
-        self.layers = [_layer(weights, i, spec) for i in range(spec.num_layers)]
+        self.embed = weights.get("model.embed_tokens.weight")  # first stage, and a tied last one
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
+        self.norm = weights.get("model.norm.weight")
+        self.layers = [_layer(weights, i, spec) for i in mine]
         # cos/sin rows over the decoupled rope dims [Dr/2], YaRN factor included.
         self.rope_table = RopeTable(*rope_inv_freq(m.qk_rope_head_dim, spec.rope), spec.context_length)
         self._rope = ops.variant("rope", spec.rope_variant)
-        self.mtp = self._mtp(weights) if parallel.tp_size == 1 else None
+        one_rank = parallel.tp_size == 1 and parallel.pp_size == 1
+        self.mtp = self._mtp(weights) if one_rank else None
         """The first MTP layer as a speculative proposer, or None when the checkpoint stores
-        none (transformers drops them on save) or with tensor parallelism (speculative
-        decoding runs on one rank). Further nextn layers are loaded, not run: the proposer
-        applies the first one recursively (:mod:`zllm.runtime.mtp`)."""
+        none (transformers drops them on save) or with tensor or pipeline parallelism
+        (speculative decoding runs on one rank). Further nextn layers are loaded, not run: the
+        proposer applies the first one recursively (:mod:`zllm.runtime.mtp`)."""
 
     def _mtp(self, weights: dict[str, Any]) -> DeepseekMtp | None:
         p = f"model.layers.{self.spec.num_layers}."
@@ -194,22 +198,32 @@ class DeepseekModel:
         kv_caches: list[tuple[torch.Tensor, ...]],
         logits_indices: torch.Tensor,
         return_hidden: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
         """Logits f32 ``[S', V]`` for the rows ``logits_indices`` (see
-        ``zllm.domain.family.Model``); ``kv_caches[i]`` is layer ``i``'s
-        ``(latent_cache [NB, BS, 1, W],)``. ``return_hidden``: also every row's final-norm
-        output ``[T, C]`` (what the MTP layer reads), as ``(logits, hidden)``."""
+        ``zllm.domain.family.Model``); ``kv_caches[i]`` is layer ``i``'s (of this stage)
+        ``(latent_cache [NB, BS, 1, W],)``. ``return_hidden`` (one stage only): also every
+        row's final-norm output ``[T, C]`` (what the MTP layer reads), as ``(logits, hidden)``.
+
+        With pipeline stages: a stage after the first takes the previous stage's ``hidden``
+        (its last FFN output and residual, f32 ``[T, C]`` each) instead of embedding
+        ``token_ids``, and a stage before the last returns that pair for the next stage."""
         ops, eps = self.ops, self.spec.rms_norm_eps
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, Dr/2] each
         par = self.parallel
-        residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
-        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
+        if hidden is None:
+            residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
+            x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # a stage holds >= 1 layer
+        else:
+            x, residual = ops.add_rms_norm(hidden[0], hidden[1], self.layers[0].attn_norm, eps)
         for i, (layer, (latent_cache,)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, latent_cache[:, :, 0]))  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
             ffn = self.ffn(layer, x)  # [T, C], this rank's partial sum
             if i + 1 < len(self.layers):
                 x, residual = ops.add_rms_norm(par.all_reduce(ffn), residual, self.layers[i + 1].attn_norm, eps)
+            elif not par.last_stage:
+                return par.all_reduce(ffn), residual  # [T, C] each, for the next stage
             elif return_hidden:
                 residual = par.all_reduce(ffn) + residual  # [T, C]
             else:

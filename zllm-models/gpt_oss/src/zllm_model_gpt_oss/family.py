@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from zllm.plugin_api import Capability, CheckpointError, TensorSpec
+import attrs
+
+from zllm.plugin_api import (
+    SINGLE,
+    Capability,
+    CheckpointError,
+    ConfigError,
+    ParallelContext,
+    Shard,
+    TensorSpec,
+    check_stage_windows,
+    check_tensor_parallel,
+)
 from zllm_model_gpt_oss.model import GptOssModel
 from zllm_model_gpt_oss.spec import GptOssSpec, spec_from_config
 
@@ -53,29 +65,50 @@ class GptOssFamily:
     def parse_config(self, config: dict[str, Any], source: str) -> GptOssSpec:
         return spec_from_config(config, source)
 
-    def tensor_specs(self, spec: GptOssSpec) -> dict[str, TensorSpec]:
+    pipeline_stages = True
+    """The layer code runs a contiguous range of layers (``parallel.pipeline``)."""
+
+    def tensor_specs(self, spec: GptOssSpec, parallel: ParallelContext = SINGLE) -> dict[str, TensorSpec]:
+        """Every weight of ``spec``; with tensor parallelism each with this rank's shard
+        (:func:`tensor_shards`); with pipeline stages, the weights of other stages' layers (and
+        the embedding, final norm and ``lm_head`` away from the first and last stage) marked
+        ``elsewhere``.
+
+        Raises:
+            ConfigError: ``parallel.tensor`` does not fit the heads or the expert width, or
+                ``parallel.pipeline`` stages would mix sliding and full attention.
+        """
+        check_fits(spec, parallel.tp_size)
+        check_stage_windows(spec.layer_windows, parallel.pp_size)
         c, v, q, kv = spec.hidden_size, spec.vocab_size, spec.q_size, spec.kv_size
+        vocab = parallel.padded_split(v) if parallel.tp_size > 1 else None
+        last, mine = parallel.last_stage, parallel.stage_layers(spec.num_layers)
+        embed_here = parallel.first_stage or (last and spec.tie_word_embeddings)
         specs = {
-            "model.embed_tokens.weight": TensorSpec((v, c)),
-            "model.norm.weight": TensorSpec((c,)),
-            "lm_head.weight": TensorSpec((v, c), optional=spec.tie_word_embeddings),
+            "model.embed_tokens.weight": TensorSpec((v, c), shard=vocab, elsewhere=not embed_here),
+            "model.norm.weight": TensorSpec((c,), elsewhere=not last),
+            "lm_head.weight": TensorSpec((v, c), optional=spec.tie_word_embeddings, shard=vocab, elsewhere=not last),
         }
         shapes = {"self_attn.q_proj": (q, c), "self_attn.k_proj": (kv, c), "self_attn.v_proj": (kv, c),
                   "self_attn.o_proj": (c, q)}
+        shards = tensor_shards(spec, parallel)
         for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            specs[p + "input_layernorm.weight"] = TensorSpec((c,))
-            specs[p + "post_attention_layernorm.weight"] = TensorSpec((c,))
-            specs[p + "self_attn.sinks"] = TensorSpec((spec.num_heads,))
+            layer = {"input_layernorm.weight": TensorSpec((c,)), "post_attention_layernorm.weight": TensorSpec((c,)),
+                     "self_attn.sinks": TensorSpec((spec.num_heads,), shard=shards.get("self_attn.sinks"))}
             for name, shape in shapes.items():
-                specs[p + name + ".weight"] = TensorSpec(shape)
+                shard = shards.get(name)
+                layer[name + ".weight"] = TensorSpec(shape, shard=shard)
                 if spec.attention_bias:
-                    specs[p + name + ".bias"] = TensorSpec((shape[0],))
-            specs[p + "mlp.router.weight"] = TensorSpec((spec.num_experts, c))
-            specs[p + "mlp.router.bias"] = TensorSpec((spec.num_experts,))
+                    # o_proj's bias (row-parallel) is whole: added once, on the first rank.
+                    layer[name + ".bias"] = TensorSpec((shape[0],), shard=shard if name != "self_attn.o_proj" else None)
+            layer["mlp.router.weight"] = TensorSpec((spec.num_experts, c))
+            layer["mlp.router.bias"] = TensorSpec((spec.num_experts,))
             # Either layout; expert_layout() requires one whole before any weight is read.
             for names in _expert_shapes(spec).values():
-                specs |= {f"{p}mlp.experts.{name}": TensorSpec(shape, optional=True) for name, shape in names.items()}
+                layer |= {f"mlp.experts.{name}": TensorSpec(shape, optional=True, shard=shards.get(name))
+                          for name, shape in names.items()}
+            p = f"model.layers.{i}."
+            specs |= {p + name: attrs.evolve(s, elsewhere=i not in mine) for name, s in layer.items()}
         return specs
 
     def required_capabilities(self, spec: GptOssSpec, weight_formats: dict[str, str]) -> frozenset[Capability]:
@@ -91,11 +124,57 @@ class GptOssFamily:
         # The most any checkpoint of this family needs with every weight in ``fmt`` (``zllm compat``).
         return _capabilities(fmt, {fmt}, {fmt})
 
-    def build(self, spec: GptOssSpec, weights: dict[str, Any], ops: Any) -> GptOssModel:
+    def build(self, spec: GptOssSpec, weights: dict[str, Any], ops: Any,
+              parallel: ParallelContext = SINGLE) -> GptOssModel:
         present = {name: "" for name in weights}
         layouts = tuple(expert_layout(spec, f"model.layers.{i}.mlp.experts.", present)[0]
-                        for i in range(spec.num_layers))
-        return GptOssModel(spec, weights, ops, layouts)
+                        for i in parallel.stage_layers(spec.num_layers))
+        return GptOssModel(spec, weights, ops, layouts, parallel)
+
+
+def check_fits(spec: GptOssSpec, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the heads or the expert width cannot be split by.
+
+    Raises:
+        ConfigError: (``parallel.tensor``) names the setting, the model's number and the checkpoint.
+    """
+    if tp_size == 1:
+        return
+    source = spec.source or "gpt_oss"
+    check_tensor_parallel(tp_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, source=source)
+    if spec.intermediate_size % tp_size:
+        raise ConfigError("parallel.tensor", f"{tp_size} does not divide the intermediate_size "
+                                             f"{spec.intermediate_size} of {source}")
+
+
+def tensor_shards(spec: GptOssSpec, parallel: ParallelContext) -> dict[str, Shard]:
+    """This rank's slice of each tensor of a decoder layer (none without tensor parallelism),
+    by name after ``model.layers.{i}.`` for attention and after ``mlp.experts.`` for experts.
+
+    Attention as the llama family: Q (and its bias) by whole query heads, with their sinks;
+    K and V (and biases) by KV heads, split or replicated (:meth:`ParallelContext.kv_heads`);
+    O row-parallel. Every expert is split by its width N, as DeepSeek's: gate/up rows (the
+    fused ``gate_up_proj`` interleaves gate and up, so this rank's N share is one contiguous
+    run of ``2 N / tp`` of its fused dimension), down columns; the down bias is whole (added
+    once, on the first rank) and the router whole on every rank.
+    """
+    if parallel.tp_size == 1:
+        return {}
+    d, n = spec.head_dim, spec.intermediate_size
+    first, held = parallel.kv_heads(spec.num_heads, spec.num_kv_heads)
+    kv = Shard(0, first * d, held * d)
+    part = parallel.split(n)
+    fused = Shard(0, 2 * part.start, 2 * part.size)
+    gate_up_dim, down_dim = (1, 2) if spec.experts_in_rows else (2, 1)  # [E, 2N, C] / [E, C, N], else x @ W
+    return {
+        "self_attn.q_proj": parallel.split(spec.q_size), "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+        "self_attn.o_proj": parallel.split(spec.q_size, dim=1), "self_attn.sinks": parallel.split(spec.num_heads),
+        "gate_up_proj": attrs.evolve(fused, dim=gate_up_dim), "gate_up_proj_bias": attrs.evolve(fused, dim=1),
+        "down_proj": attrs.evolve(part, dim=down_dim),
+        "gate_proj.weight": attrs.evolve(part, dim=1), "up_proj.weight": attrs.evolve(part, dim=1),
+        "down_proj.weight": attrs.evolve(part, dim=2),
+        "gate_proj.bias": attrs.evolve(part, dim=1), "up_proj.bias": attrs.evolve(part, dim=1),
+    }
 
 
 def _capabilities(embed_fmt: str, linear_fmts: set[str], expert_fmts: set[str]) -> frozenset[Capability]:

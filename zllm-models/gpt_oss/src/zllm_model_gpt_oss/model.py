@@ -9,6 +9,13 @@ A decoder layer: pre-norm attention with q/k/v/o biases, half-rotation RoPE (YaR
 sink logit per head, sliding-window or full by layer; then a pre-norm MoE FFN: router
 logits with a bias, top-k then softmax over the k, and experts with biases and the clamped
 SwiGLU.
+
+With tensor parallelism (``parallel.tp_size`` > 1) each rank holds the shards
+``zllm_model_gpt_oss.family.tensor_shards`` gives it — its ``H / tp`` query heads with their
+sinks, their KV heads, every expert's ``N / tp`` width and ``V / tp`` vocabulary rows — and the
+forward joins them with one all-reduce after O, one after the experts, one after the
+vocabulary-parallel embedding and one all-gather of the logits (Megatron-LM, arXiv:1909.08053
+§3). With pipeline stages each rank runs only its stage's contiguous layers.
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ from typing import Any
 import attrs
 import torch
 
-from zllm.plugin_api import AttentionMetadata, KVCacheSpec, KVLayerSpec, QuantizedTensor, RopeTable, rope_inv_freq
+from zllm.plugin_api import (
+    SINGLE,
+    AttentionMetadata,
+    KVCacheSpec,
+    KVLayerSpec,
+    ParallelContext,
+    QuantizedTensor,
+    RopeTable,
+    rope_inv_freq,
+)
 from zllm_model_gpt_oss.spec import GptOssSpec
 
 #: How a checkpoint stores a layer's experts: transformers' fused ``gate_up_proj [E, C, 2N]``
@@ -104,23 +120,38 @@ class GptOssLayer:
 class GptOssModel:
     """A runnable gpt-oss model over bound kernels ``ops``."""
 
-    def __init__(self, spec: GptOssSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str, ...]):
-        """``expert_layouts[i]``: how layer ``i``'s experts are stored (:data:`EXPERT_LAYOUTS`)."""
-        self.spec, self.ops = spec, ops
+    def __init__(self, spec: GptOssSpec, weights: dict[str, Any], ops: Any, expert_layouts: tuple[str, ...],
+                 parallel: ParallelContext = SINGLE):
+        """``expert_layouts``: how each layer of this stage stores its experts (:data:`EXPERT_LAYOUTS`);
+        ``weights`` holds this rank's shards of ``parallel``, and with pipeline stages only this
+        stage's layers (:meth:`ParallelContext.stage_layers`)."""
+        self.spec, self.ops, self.parallel = spec, ops, parallel
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
         self.context_length = spec.context_length
-        # K and V of Hkv heads per layer, each layer with its own window; scores scaled by
-        # D ** -0.5 (GptOssAttention.scaling; YaRN's attention factor scales cos/sin, as HF does).
+        kv_heads = parallel.kv_heads(spec.num_heads, spec.num_kv_heads)[1]
+        mine = parallel.stage_layers(spec.num_layers)
+        self._windows = spec.layer_windows[mine.start: mine.stop]
+        # K and V of this rank's Hkv heads per layer of its stage, each layer with its own window;
+        # scores scaled by D ** -0.5 (GptOssAttention.scaling; YaRN's attention factor scales
+        # cos/sin, as HF does).
         self.kv_spec = KVCacheSpec(
-            tuple(KVLayerSpec.gqa(spec.num_kv_heads, spec.head_dim, window) for window in spec.layer_windows),
+            tuple(KVLayerSpec.gqa(kv_heads, spec.head_dim, window) for window in self._windows),
             attention_scale=spec.head_dim ** -0.5,
         )
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
-        self.norm = weights["model.norm.weight"]
-        self.layers = [GptOssLayer.from_weights(weights, i, layout) for i, layout in enumerate(expert_layouts)]
+        self.embed = weights.get("model.embed_tokens.weight")  # first stage, and a tied last one
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
+        self.norm = weights.get("model.norm.weight")
+        self.layers = [GptOssLayer.from_weights(weights, i, layout)
+                       for i, layout in zip(mine, expert_layouts, strict=True)]
         self.rope_table = RopeTable(*rope_inv_freq(spec.head_dim, spec.rope), spec.context_length)
-        self._heads, self._kv_heads, self._head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self._heads, self._kv_heads, self._head_dim = spec.num_heads // parallel.tp_size, kv_heads, spec.head_dim
+        # Row-parallel biases (o_proj's, the experts' down bias) are added once, on the first rank,
+        # before the all-reduce; the other ranks add zeros to their experts' partial sums.
+        self._row_bias = parallel.tp_rank == 0
+        if not self._row_bias:
+            self.layers = [attrs.evolve(layer, o_bias=None, experts=attrs.evolve(
+                layer.experts, down_bias=torch.zeros_like(layer.experts.down_bias))) for layer in self.layers]
 
     def forward(
         self,
@@ -129,23 +160,33 @@ class GptOssModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``)."""
-        ops, eps = self.ops, self.spec.rms_norm_eps
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        """Logits f32 ``[S', V]`` for the rows ``logits_indices`` of the batch (see ``zllm.domain.family.Model``).
+
+        With pipeline stages: a stage after the first takes the previous stage's ``hidden``
+        (its last MLP output and residual, f32 ``[T, C]`` each) instead of embedding
+        ``token_ids``, and a stage before the last returns that pair for the next stage."""
+        ops, eps, par = self.ops, self.spec.rms_norm_eps, self.parallel
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
-        residual = ops.embedding(self.embed, token_ids)  # [T, C]
-        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
-        layers = zip(self.layers, self.spec.layer_windows, kv_caches, strict=True)
+        if hidden is None:
+            residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
+            x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # a stage holds >= 1 layer
+        else:
+            x, residual = ops.add_rms_norm(hidden[0], hidden[1], self.layers[0].attn_norm, eps)
+        layers = zip(self.layers, self._windows, kv_caches, strict=True)
         for i, (layer, window, kv_cache) in enumerate(layers):
-            attn = self.attention(layer, x, cos, sin, meta, kv_cache, window)  # [T, C]
+            attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, kv_cache, window))  # [T, C]
             x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
-            mlp = self.mlp(layer, x)  # [T, C]
+            mlp = self.mlp(layer, x)  # [T, C], this rank's partial sum
             if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, eps)
-            else:
-                residual = mlp[logits_indices] + residual[logits_indices]  # [S', C]
+                x, residual = ops.add_rms_norm(par.all_reduce(mlp), residual, self.layers[i + 1].attn_norm, eps)
+            elif not par.last_stage:
+                return par.all_reduce(mlp), residual  # [T, C] each, for the next stage
+            else:  # only the logits rows are summed over the ranks
+                residual = par.all_reduce(mlp[logits_indices]) + residual[logits_indices]  # [S', C]
         x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
-        return ops.linear(x, self.lm_head)  # [S', V]
+        return par.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]
 
     def attention(self, layer: GptOssLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
                   window: int | None) -> torch.Tensor:

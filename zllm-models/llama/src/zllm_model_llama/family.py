@@ -18,6 +18,7 @@ from zllm.plugin_api import (
     ParallelContext,
     Shard,
     TensorSpec,
+    check_stage_windows,
     check_tensor_parallel,
 )
 from zllm_model_llama.model import LlamaModel
@@ -62,7 +63,7 @@ class LlamaFamily:
             ConfigError: ``parallel.tensor`` does not fit the model (:func:`check_fits`).
         """
         check_fits(spec, parallel.tp_size)
-        check_stages(spec, parallel.pp_size)
+        check_stage_windows(spec.layer_windows, parallel.pp_size)
         h, f, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
         vocab = parallel.padded_split(spec.vocab_size)
         last, mine = parallel.last_stage, parallel.stage_layers(spec.num_layers)
@@ -163,28 +164,6 @@ def check_fits(spec: LlamaSpec, tp_size: int) -> None:
     for what, width in widths.items():
         if width % tp_size:
             raise ConfigError("parallel.tensor", f"{tp_size} does not divide the {what} {width} of {source}")
-
-
-def check_stages(spec: LlamaSpec, pp_size: int) -> None:
-    """Refuse pipeline stages whose KV caches would evict differently: rank 0's one block
-    allocator frees blocks outside a sliding window only when every layer it sees slides by
-    the same window, and it sees only the first stage's layers.
-
-    Raises:
-        ConfigError: (``parallel.pipeline``) a stage of only sliding layers beside one with
-            full-attention layers or another window; names the stages' layers.
-    """
-    if pp_size == 1:
-        return
-    stages = [ParallelContext(pp_rank=r, pp_size=pp_size).stage_layers(spec.num_layers) for r in range(pp_size)]
-    windows = [spec.layer_windows[s.start: s.stop] for s in stages]
-    evictable = [None if None in w else max(x for x in w if x is not None) for w in windows]
-    if len(set(evictable)) > 1:
-        layout = "; ".join(f"layers {s.start}-{s.stop - 1}: " + ("full attention" if e is None else f"window {e}")
-                           for s, e in zip(stages, evictable, strict=True))
-        raise ConfigError("parallel.pipeline", f"{pp_size} stages would mix sliding-window and full-attention "
-                                               f"layers ({layout}), which one KV block allocator cannot serve; "
-                                               f"use another parallel.pipeline or 1")
 
 
 def tensor_shards(spec: LlamaSpec, parallel: ParallelContext) -> dict[str, Shard]:
