@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from zllm.plugin_api import QuantizedTensor
-from zllm_kernels_triton.quant_matmul import check_linear_args, output_tiles
+from zllm_kernels_triton.quant_matmul import check_linear_args, linear_output
 from zllm_kernels_triton.tuning import Tuning
 
 #: format -> constexpr code of the kernel's decode branch
@@ -134,12 +134,10 @@ def linear_quant_hf(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor
     assert q.device == x.device and (bias is None or bias.device == x.device), (q.device, x.device)
     bn, g = weight.block_shape
     global_scale = float(parts["global_scale"]) if weight.fmt == "nvfp4" else 1.0
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    t = x.shape[0]
-    out = torch.empty((t, n), dtype=torch.float32, device=x.device)  # [T, N]
+    x, out, block_m, grid = linear_output(x, n, tuning)  # out f32 [T, N]
     if out.numel() == 0:
         return out
-    block_m, grid = output_tiles(t, n, tuning)
+    t = x.shape[0]
     _quant_linear_kernel[grid](
         x, q, scales, zeros if zeros is not None else q, perm if perm is not None else q,
         bias if bias is not None else out, out, global_scale,

@@ -72,11 +72,15 @@ def check_linear_args(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tens
     return n, k
 
 
-def output_tiles(t: int, n: int, tuning: Tuning) -> tuple[int, tuple[int, int]]:
-    """``(BLOCK_M, grid)`` of a quantized ``linear`` launch over an f32 ``[T, N]`` output: rows per
-    tile cut to the batch (at least :attr:`Tuning.dot_min`), one program per output tile."""
+def linear_output(x: torch.Tensor, n: int, tuning: Tuning) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
+    """``(x, out, BLOCK_M, grid)`` of a quantized ``linear`` launch: ``x`` f32 ``[T, K]`` with unit
+    column stride (copied only when it lacks one), a new f32 ``out [T, N]``, rows per tile cut to
+    the batch (at least :attr:`Tuning.dot_min`) and one program per output tile."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t = x.shape[0]
+    out = torch.empty((t, n), dtype=torch.float32, device=x.device)  # [T, N]
     block_m = min(tuning.linear_block_m, max(tuning.dot_min, triton.next_power_of_2(t)))
-    return block_m, (triton.cdiv(t, block_m), triton.cdiv(n, tuning.linear_block_n))
+    return x, out, block_m, (triton.cdiv(t, block_m), triton.cdiv(n, tuning.linear_block_n))
 
 
 def linear_q8_0(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, *,
@@ -90,12 +94,10 @@ def linear_q8_0(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | N
     n, k = check_linear_args(x, weight, bias)
     data = weight.data if weight.data.stride(-1) == 1 else weight.data.contiguous()
     assert data.device == x.device and (bias is None or bias.device == x.device), (data.device, x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    t = x.shape[0]
-    out = torch.empty((t, n), dtype=torch.float32, device=x.device)  # [T, N]
+    x, out, block_m, grid = linear_output(x, n, tuning)  # out f32 [T, N]
     if out.numel() == 0:
         return out
-    block_m, grid = output_tiles(t, n, tuning)
+    t = x.shape[0]
     _q8_0_linear_kernel[grid](
         x, data, bias if bias is not None else out, out,
         t, n, k, x.stride(0), data.stride(0), out.stride(0),
