@@ -21,20 +21,26 @@ from zllm_kernels_triton.tuning import Tuning
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_out, BLOCK_N: tl.constexpr):
+def _gated_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_out, alpha, limit, CLAMPED: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0)
     u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, g * tl.sigmoid(g) * u, mask=mask)
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    else:
+        y = g * tl.sigmoid(g) * u
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tuning: Tuning = Tuning()) -> torch.Tensor:
-    """``silu(gate) * up``: ``gate``, ``up`` f32 ``[T, N]`` (row-strided views allowed) -> f32 ``[T, N]``.
-
-    Raises AssertionError on a shape, dtype or device mismatch.
-    """
+def _gated(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, clamped: bool,
+           tuning: Tuning) -> torch.Tensor:
+    """Checks and launch shared by :func:`silu_mul` (``clamped`` False: ``alpha``, ``limit``
+    unused) and :func:`swiglu_clamped`."""
     assert gate.dim() == 2 and gate.dtype == torch.float32, (gate.shape, gate.dtype)
     assert up.shape == gate.shape and up.dtype == torch.float32 and up.device == gate.device, (up.shape, up.dtype)
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
@@ -44,21 +50,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tuning: Tuning = Tuning())
     if out.numel() == 0:
         return out
     block_n = min(tuning.silu_block_n, triton.next_power_of_2(n))
-    _silu_mul_kernel[(t, triton.cdiv(n, block_n))](
-        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK_N=block_n, num_warps=tuning.silu_num_warps,
+    _gated_kernel[(t, triton.cdiv(n, block_n))](
+        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), float(alpha), float(limit), CLAMPED=clamped,
+        BLOCK_N=block_n, num_warps=tuning.silu_num_warps,
     )
     return out
 
 
-@triton.jit
-def _swiglu_clamped_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_out, alpha, limit,
-                           BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    g = tl.minimum(tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0), limit)
-    u = tl.minimum(tl.maximum(tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0), -limit), limit)
-    tl.store(out_ptr + row * stride_out + cols, (u + 1.0) * (g * tl.sigmoid(g * alpha)), mask=mask)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tuning: Tuning = Tuning()) -> torch.Tensor:
+    """``silu(gate) * up``: ``gate``, ``up`` f32 ``[T, N]`` (row-strided views allowed) -> f32 ``[T, N]``.
+
+    Raises AssertionError on a shape, dtype or device mismatch.
+    """
+    return _gated(gate, up, 0.0, 0.0, False, tuning)
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, *,
@@ -68,17 +72,4 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 
     Raises AssertionError on a shape, dtype or device mismatch.
     """
-    assert gate.dim() == 2 and gate.dtype == torch.float32, (gate.shape, gate.dtype)
-    assert up.shape == gate.shape and up.dtype == torch.float32 and up.device == gate.device, (up.shape, up.dtype)
-    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
-    up = up if up.stride(-1) == 1 else up.contiguous()
-    t, n = gate.shape
-    out = torch.empty((t, n), dtype=torch.float32, device=gate.device)  # [T, N]
-    if out.numel() == 0:
-        return out
-    block_n = min(tuning.silu_block_n, triton.next_power_of_2(n))
-    _swiglu_clamped_kernel[(t, triton.cdiv(n, block_n))](
-        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), float(alpha), float(limit), BLOCK_N=block_n,
-        num_warps=tuning.silu_num_warps,
-    )
-    return out
+    return _gated(gate, up, alpha, limit, True, tuning)

@@ -47,11 +47,11 @@ Weight = torch.Tensor | QuantizedTensor
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w1_ptr, w2_ptr, out_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
-    num_pairs, N, K, a_div,
-    stride_am, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_om,
-    GATED: tl.constexpr, Q8_W1: tl.constexpr, Q8_W2: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, w1_ptr, w2_ptr, b1_ptr, b2_ptr, out_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
+    num_pairs, N, K, a_div, alpha, limit,
+    stride_am, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_b1e, stride_b2e, stride_om,
+    GATED: tl.constexpr, BIASED: tl.constexpr, Q8_W1: tl.constexpr, Q8_W2: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P = padding
     pair_mask = pairs < num_pairs
@@ -73,7 +73,14 @@ def _grouped_gemm_kernel(
         if GATED:
             w2 = load_weight_tile(w2_rows, ks[None, :], w_mask, Q8_W2)
             acc2 += tl.dot(a, tl.trans(w2), input_precision=PRECISION)
-    if GATED:
+    if BIASED:  # gpt-oss: per-expert biases and the clamped SwiGLU (zllm_kernels_triton.moe_biased)
+        acc1 += tl.load(b1_ptr + expert * stride_b1e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up = acc2 + tl.load(b2_ptr + expert * stride_b2e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            gate = tl.minimum(acc1, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            acc1 = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    elif GATED:
         acc1 = acc1 * tl.sigmoid(acc1) * acc2  # silu(gate) * up
     if MUL_WEIGHT:
         acc1 = acc1 * tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
@@ -131,6 +138,23 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     Returns:
         f32 ``[T, K]``. Raises AssertionError on a shape, dtype, format or device mismatch.
     """
+    return grouped_experts(x, topk_ids, topk_weights, gate_exps, up_exps, down_exps, tuning=tuning)
+
+
+def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_exps: Weight,
+                    up_exps: Weight, down_exps: Weight, biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                    | None = None, alpha: float = 0.0, limit: float = 0.0, *, tuning: Tuning = Tuning()
+                    ) -> torch.Tensor:
+    """The two grouped GEMMs and the weighted sum (module doc) behind :func:`fused_experts` and
+    :func:`zllm_kernels_triton.moe_biased.moe_clamped_swiglu`.
+
+    Args as :func:`fused_experts`, plus ``biases``: None for SiLU-and-mul without biases, or
+    ``(gate_bias [E, N], up_bias [E, N], down_bias [E, K])`` (any float dtype) for gpt-oss's
+    biased clamped SwiGLU with gain ``alpha`` and clamp ``limit``.
+
+    Returns:
+        f32 ``[T, K]``. Raises AssertionError on a shape, dtype, format or device mismatch.
+    """
     t, hidden = x.shape
     n_experts, width, k_in = gate_exps.shape
     assert x.dtype == torch.float32 and k_in == hidden, (x.shape, x.dtype, gate_exps.shape)
@@ -146,23 +170,29 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     n_pairs = t * top_k
     if n_pairs == 0:
         return torch.zeros((t, hidden), dtype=torch.float32, device=x.device)
+    # Without biases the kernel never reads the bias pointers; x stands in for them.
+    b_gate, b_up, b_down = (x, x, x) if biases is None else (
+        b if b.stride(-1) == 1 else b.contiguous() for b in biases)
     block_m = tuning.moe_block_m
     pairs, block_experts = align_block_size(topk_ids, n_experts, block_m)
     weights = topk_weights.to(torch.float32).flatten().contiguous()  # [P]
-    common = dict(PRECISION=tuning.dot_precision, BLOCK_M=block_m, BLOCK_N=tuning.moe_block_n,
-                  BLOCK_K=tuning.moe_block_k, num_warps=tuning.moe_num_warps, num_stages=tuning.moe_num_stages)
+    common = dict(BIASED=biases is not None, PRECISION=tuning.dot_precision, BLOCK_M=block_m,
+                  BLOCK_N=tuning.moe_block_n, BLOCK_K=tuning.moe_block_k, num_warps=tuning.moe_num_warps,
+                  num_stages=tuning.moe_num_stages)
     h = torch.empty((n_pairs, width), dtype=torch.float32, device=x.device)  # [P, N]
     _grouped_gemm_kernel[(block_experts.numel(), triton.cdiv(width, tuning.moe_block_n))](
-        x, gate, up, h, pairs, block_experts, weights,
-        n_pairs, width, hidden, top_k,
-        x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), h.stride(0),
+        x, gate, up, b_gate, b_up, h, pairs, block_experts, weights,
+        n_pairs, width, hidden, top_k, float(alpha), float(limit),
+        x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), b_gate.stride(0), b_up.stride(0),
+        h.stride(0),
         GATED=True, Q8_W1=gate_q8, Q8_W2=up_q8, MUL_WEIGHT=False, **common,
     )
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)  # [P, K]
     _grouped_gemm_kernel[(block_experts.numel(), triton.cdiv(hidden, tuning.moe_block_n))](
-        h, down, down, y, pairs, block_experts, weights,
-        n_pairs, hidden, width, 1,
-        h.stride(0), down.stride(0), down.stride(1), down.stride(0), down.stride(1), y.stride(0),
+        h, down, down, b_down, b_down, y, pairs, block_experts, weights,
+        n_pairs, hidden, width, 1, float(alpha), float(limit),
+        h.stride(0), down.stride(0), down.stride(1), down.stride(0), down.stride(1), b_down.stride(0),
+        b_down.stride(0), y.stride(0),
         GATED=False, Q8_W1=down_q8, Q8_W2=down_q8, MUL_WEIGHT=True, **common,
     )
     return y.view(t, top_k, hidden).sum(dim=1)  # [T, K]

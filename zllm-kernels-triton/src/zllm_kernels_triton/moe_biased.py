@@ -25,9 +25,8 @@ import triton
 import triton.language as tl
 
 from zllm.plugin_api import QuantizedTensor
-from zllm_kernels_triton.moe import align_block_size
+from zllm_kernels_triton.moe import grouped_experts
 from zllm_kernels_triton.tuning import Tuning
-from zllm_kernels_triton.weight_tile import load_weight_tile, weight_operand
 
 Weight = torch.Tensor | QuantizedTensor
 
@@ -71,51 +70,6 @@ def router_topk_softmax(router_logits: torch.Tensor, k: int, *,
     return ids, weights
 
 
-@triton.jit
-def _biased_gemm_kernel(
-    a_ptr, w1_ptr, w2_ptr, b1_ptr, b2_ptr, out_ptr, pairs_ptr, block_experts_ptr, weights_ptr,
-    num_pairs, N, K, a_div, alpha, limit,
-    stride_am, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_b1e, stride_b2e, stride_om,
-    GATED: tl.constexpr, Q8_W1: tl.constexpr, Q8_W2: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], P = padding
-    pair_mask = pairs < num_pairs
-    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
-    a_rows = a_ptr + (pairs // a_div).to(tl.int64)[:, None] * stride_am  # [BM, 1]
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    w1_rows = w1_ptr + expert * stride_w1e + cols.to(tl.int64)[:, None] * stride_w1n  # [BN, 1]
-    w2_rows = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[:, None] * stride_w2n
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=pair_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        acc1 += tl.dot(a, tl.trans(load_weight_tile(w1_rows, ks[None, :], w_mask, Q8_W1)), input_precision=PRECISION)
-        if GATED:
-            acc2 += tl.dot(a, tl.trans(load_weight_tile(w2_rows, ks[None, :], w_mask, Q8_W2)),
-                           input_precision=PRECISION)
-    acc1 += tl.load(b1_ptr + expert * stride_b1e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        up = acc2 + tl.load(b2_ptr + expert * stride_b2e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        gate = tl.minimum(acc1, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        acc1 = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    if MUL_WEIGHT:
-        acc1 = acc1 * tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :], acc1,
-             mask=pair_mask[:, None] & col_mask[None, :])
-
-
-def _stack(weight: Weight, what: str) -> tuple[torch.Tensor, bool]:
-    data, q8 = weight_operand(weight, what)
-    assert data.dim() == 3, f"{what}: an expert stack is [E, N, K], got {list(weight.shape)}"
-    return data, q8
-
-
 def moe_clamped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_exps: Weight,
                        up_exps: Weight, down_exps: Weight, gate_bias: torch.Tensor, up_bias: torch.Tensor,
                        down_bias: torch.Tensor, alpha: float, limit: float, *,
@@ -133,43 +87,8 @@ def moe_clamped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     Returns:
         f32 ``[T, K]``. Raises AssertionError on a shape, dtype, format or device mismatch.
     """
-    t, hidden = x.shape
-    n_experts, width, k_in = gate_exps.shape
-    assert x.dtype == torch.float32 and k_in == hidden, (x.shape, x.dtype, gate_exps.shape)
-    assert tuple(up_exps.shape) == (n_experts, width, hidden), (up_exps.shape, gate_exps.shape)
-    assert tuple(down_exps.shape) == (n_experts, hidden, width), (down_exps.shape, gate_exps.shape)
+    n_experts, width, hidden = gate_exps.shape
     assert gate_bias.shape == up_bias.shape == (n_experts, width), (gate_bias.shape, up_bias.shape)
     assert down_bias.shape == (n_experts, hidden), down_bias.shape
-    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t, (topk_ids.shape, topk_weights.shape)
-    gate, gate_q8 = _stack(gate_exps, "gate_exps")
-    up, up_q8 = _stack(up_exps, "up_exps")
-    down, down_q8 = _stack(down_exps, "down_exps")
-    assert gate.device == up.device == down.device == x.device == topk_ids.device, (gate.device, x.device)
-    biases = [b if b.stride(-1) == 1 else b.contiguous() for b in (gate_bias, up_bias, down_bias)]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    top_k = topk_ids.shape[1]
-    n_pairs = t * top_k
-    if n_pairs == 0:
-        return torch.zeros((t, hidden), dtype=torch.float32, device=x.device)
-    block_m = tuning.moe_block_m
-    pairs, block_experts = align_block_size(topk_ids, n_experts, block_m)
-    weights = topk_weights.to(torch.float32).flatten().contiguous()  # [P]
-    common = dict(PRECISION=tuning.dot_precision, BLOCK_M=block_m, BLOCK_N=tuning.moe_block_n,
-                  BLOCK_K=tuning.moe_block_k, num_warps=tuning.moe_num_warps, num_stages=tuning.moe_num_stages)
-    h = torch.empty((n_pairs, width), dtype=torch.float32, device=x.device)  # [P, N]
-    _biased_gemm_kernel[(block_experts.numel(), triton.cdiv(width, tuning.moe_block_n))](
-        x, gate, up, biases[0], biases[1], h, pairs, block_experts, weights,
-        n_pairs, width, hidden, top_k, float(alpha), float(limit),
-        x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), biases[0].stride(0),
-        biases[1].stride(0), h.stride(0),
-        GATED=True, Q8_W1=gate_q8, Q8_W2=up_q8, MUL_WEIGHT=False, **common,
-    )
-    y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)  # [P, K]
-    _biased_gemm_kernel[(block_experts.numel(), triton.cdiv(hidden, tuning.moe_block_n))](
-        h, down, down, biases[2], biases[2], y, pairs, block_experts, weights,
-        n_pairs, hidden, width, 1, float(alpha), float(limit),
-        h.stride(0), down.stride(0), down.stride(1), down.stride(0), down.stride(1), biases[2].stride(0),
-        biases[2].stride(0), y.stride(0),
-        GATED=False, Q8_W1=down_q8, Q8_W2=down_q8, MUL_WEIGHT=True, **common,
-    )
-    return y.view(t, top_k, hidden).sum(dim=1)  # [T, K]
+    return grouped_experts(x, topk_ids, topk_weights, gate_exps, up_exps, down_exps, (gate_bias, up_bias, down_bias),
+                           alpha, limit, tuning=tuning)

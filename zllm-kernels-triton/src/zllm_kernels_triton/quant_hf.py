@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from zllm.plugin_api import QuantizedTensor
+from zllm_kernels_triton.quant_matmul import check_linear_args, linear_output
 from zllm_kernels_triton.tuning import Tuning
 
 #: format -> constexpr code of the kernel's decode branch
@@ -125,10 +126,7 @@ def linear_quant_hf(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor
     Raises AssertionError on a format, shape, dtype or device mismatch.
     """
     assert isinstance(weight, QuantizedTensor) and weight.fmt in FORMAT_CODES and len(weight.shape) == 2, weight
-    n, k = weight.shape
-    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == k, (x.shape, x.dtype, weight.shape)
-    assert bias is None or (tuple(bias.shape) == (n,) and bias.dtype == torch.float32), (
-        None if bias is None else (bias.shape, bias.dtype), n)
+    n, k = check_linear_args(x, weight, bias)
     parts = {name: t if t.is_contiguous() else t.contiguous() for name, t in weight.parts.items()}
     q = parts["qweight"]
     scales = parts["scale" if weight.fmt == "fp8_e4m3" else "scales"]
@@ -136,13 +134,10 @@ def linear_quant_hf(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor
     assert q.device == x.device and (bias is None or bias.device == x.device), (q.device, x.device)
     bn, g = weight.block_shape
     global_scale = float(parts["global_scale"]) if weight.fmt == "nvfp4" else 1.0
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    t = x.shape[0]
-    out = torch.empty((t, n), dtype=torch.float32, device=x.device)  # [T, N]
+    x, out, block_m, grid = linear_output(x, n, tuning)  # out f32 [T, N]
     if out.numel() == 0:
         return out
-    block_m = min(tuning.linear_block_m, max(tuning.dot_min, triton.next_power_of_2(t)))
-    grid = (triton.cdiv(t, block_m), triton.cdiv(n, tuning.linear_block_n))
+    t = x.shape[0]
     _quant_linear_kernel[grid](
         x, q, scales, zeros if zeros is not None else q, perm if perm is not None else q,
         bias if bias is not None else out, out, global_scale,

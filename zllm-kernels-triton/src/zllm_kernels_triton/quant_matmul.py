@@ -62,6 +62,27 @@ def _q8_0_linear_kernel(
     tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
+def check_linear_args(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> tuple[int, int]:
+    """``(N, K)`` of a 2-D ``weight`` after checking ``x`` f32 ``[T, K]`` and ``bias`` f32 ``[N]`` or
+    None against it (the quantized ``linear`` kernels' shared checks). Raises AssertionError."""
+    n, k = weight.shape
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == k, (x.shape, x.dtype, weight.shape)
+    assert bias is None or (tuple(bias.shape) == (n,) and bias.dtype == torch.float32), (
+        None if bias is None else (bias.shape, bias.dtype), n)
+    return n, k
+
+
+def linear_output(x: torch.Tensor, n: int, tuning: Tuning) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
+    """``(x, out, BLOCK_M, grid)`` of a quantized ``linear`` launch: ``x`` f32 ``[T, K]`` with unit
+    column stride (copied only when it lacks one), a new f32 ``out [T, N]``, rows per tile cut to
+    the batch (at least :attr:`Tuning.dot_min`) and one program per output tile."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t = x.shape[0]
+    out = torch.empty((t, n), dtype=torch.float32, device=x.device)  # [T, N]
+    block_m = min(tuning.linear_block_m, max(tuning.dot_min, triton.next_power_of_2(t)))
+    return x, out, block_m, (triton.cdiv(t, block_m), triton.cdiv(n, tuning.linear_block_n))
+
+
 def linear_q8_0(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, *,
                 tuning: Tuning = Tuning()) -> torch.Tensor:
     """``x @ W^T + b`` for a Q8_0 ``weight`` (logical ``[N, K]``, data uint8 ``[N, K / 32 * 34]``).
@@ -70,19 +91,13 @@ def linear_q8_0(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | N
     ``[T, N]``. Raises AssertionError on a format, shape, dtype or device mismatch.
     """
     assert isinstance(weight, QuantizedTensor) and weight.fmt == "q8_0", weight
-    n, k = weight.shape
-    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == k, (x.shape, x.dtype, weight.shape)
-    assert bias is None or (tuple(bias.shape) == (n,) and bias.dtype == torch.float32), (
-        None if bias is None else (bias.shape, bias.dtype), n)
+    n, k = check_linear_args(x, weight, bias)
     data = weight.data if weight.data.stride(-1) == 1 else weight.data.contiguous()
     assert data.device == x.device and (bias is None or bias.device == x.device), (data.device, x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    t = x.shape[0]
-    out = torch.empty((t, n), dtype=torch.float32, device=x.device)  # [T, N]
+    x, out, block_m, grid = linear_output(x, n, tuning)  # out f32 [T, N]
     if out.numel() == 0:
         return out
-    block_m = min(tuning.linear_block_m, max(tuning.dot_min, triton.next_power_of_2(t)))
-    grid = (triton.cdiv(t, block_m), triton.cdiv(n, tuning.linear_block_n))
+    t = x.shape[0]
     _q8_0_linear_kernel[grid](
         x, data, bias if bias is not None else out, out,
         t, n, k, x.stride(0), data.stride(0), out.stride(0),

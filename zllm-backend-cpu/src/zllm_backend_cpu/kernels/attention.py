@@ -33,6 +33,27 @@ def write_kv(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> tuple[int, i
     return h, d, bs, hkv
 
 
+def window_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, n_q: int, n_ctx: int,
+                   window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values one sequence's ``Q`` queries read and which each may attend to:
+    ``(ks, vs)`` f32 ``[Hkv, L', D]`` gathered from the first block a query sees (block 0
+    when ``window`` is None) to ``n_ctx``, and the causal (and sliding-window) mask bool
+    ``[Q, L']``, True = attend. ``block_table`` int ``[max blocks]``; caches ``[NB, BS, Hkv, D]``."""
+    bs, hkv, d = k_cache.shape[1:]
+    first = 0 if window is None else max(0, n_ctx - n_q - window + 1) // bs  # first block any query reads
+    n_blocks = -(-n_ctx // bs)
+    blocks = block_table[first:n_blocks]  # [n]
+    k0 = first * bs  # absolute position of the first gathered key
+    ks = k_cache[blocks].view(-1, hkv, d)[: n_ctx - k0].transpose(0, 1).float()  # [Hkv, L', D]
+    vs = v_cache[blocks].view(-1, hkv, d)[: n_ctx - k0].transpose(0, 1).float()  # [Hkv, L', D]
+    q_pos = torch.arange(n_ctx - n_q, n_ctx)[:, None]  # [Q, 1]
+    k_pos = torch.arange(k0, n_ctx)[None, :]  # [1, L']
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return ks, vs, allowed
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,15 +123,7 @@ def attention_sliding(
     start = 0
     for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         assert 0 < n_q <= n_ctx, (n_q, n_ctx)
-        first = max(0, n_ctx - n_q - window + 1) // bs  # first block any query of this batch reads
-        n_blocks = -(-n_ctx // bs)
-        blocks = meta.block_tables[s, first:n_blocks]  # [n]
-        k0 = first * bs  # absolute position of the first gathered key
-        ks = k_cache[blocks].view(-1, hkv, d)[: n_ctx - k0].transpose(0, 1).float()  # [Hkv, L', D]
-        vs = v_cache[blocks].view(-1, hkv, d)[: n_ctx - k0].transpose(0, 1).float()  # [Hkv, L', D]
-        q_pos = torch.arange(n_ctx - n_q, n_ctx)[:, None]  # [Q, 1]
-        k_pos = torch.arange(k0, n_ctx)[None, :]  # [1, L']
-        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [Q, L'], True = attend
+        ks, vs, mask = window_context(k_cache, v_cache, meta.block_tables[s], n_q, n_ctx, window)
         if n_q == 1:
             # Decode: fold the query heads of each KV head into the query axis (see attention()).
             qs = q[start].view(hkv, h // hkv, d)  # [Hkv, G, D]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.plugin_api import AttentionMetadata
-from zllm_backend_cpu.kernels.attention import write_kv
+from zllm_backend_cpu.kernels.attention import window_context, write_kv
 
 
 def attention_sinks(
@@ -44,20 +44,10 @@ def attention_sinks(
     start = 0
     for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         assert 0 < n_q <= n_ctx, (n_q, n_ctx)
-        first = 0 if window is None else max(0, n_ctx - n_q - window + 1) // bs
-        n_blocks = -(-n_ctx // bs)
-        blocks = meta.block_tables[s, first:n_blocks]  # [n]
-        k0 = first * bs  # absolute position of the first gathered key
-        n_k = n_ctx - k0
-        ks = k_cache[blocks].view(-1, hkv, d)[:n_k].transpose(0, 1).float()  # [Hkv, L', D]
-        vs = v_cache[blocks].view(-1, hkv, d)[:n_k].transpose(0, 1).float()  # [Hkv, L', D]
+        ks, vs, allowed = window_context(k_cache, v_cache, meta.block_tables[s], n_q, n_ctx, window)
+        n_k = ks.shape[1]
         ks = F.pad(ks, (0, 0, 0, 1))  # [Hkv, L' + 1, D]: the sink's zero key
         vs = F.pad(vs, (0, 0, 0, 1))  # [Hkv, L' + 1, D]: the sink's zero value
-        q_pos = torch.arange(n_ctx - n_q, n_ctx)[:, None]  # [Q, 1]
-        k_pos = torch.arange(k0, n_ctx)[None, :]  # [1, L']
-        allowed = k_pos <= q_pos
-        if window is not None:
-            allowed &= k_pos > q_pos - window
         mask = torch.zeros(n_q, n_k).masked_fill_(~allowed, float("-inf"))  # [Q, L']
         if n_q == 1:
             # Decode: fold the G query heads of each KV head into the query axis (see .attention).

@@ -102,41 +102,25 @@ def route_in_tiles(
     return RouterOutput(torch.cat(ids), torch.cat(weights))
 
 
-def _moe(
-    x: torch.Tensor,
-    routing: RouterOutput,
-    gate_exps: Weight,
-    up_exps: Weight,
-    down_exps: Weight,
-    shared: SharedExperts | None,
-    linear: Linear,
-    silu_mul: SiluMul,
-    gate_sigmoid: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+def bucketed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int,
+                     expert_ffn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_ffn(topk_ids[t, j], x[t])`` per token, summed in ascending
+    expert index: the ``T * k`` (token, slot) pairs bucketed by expert, ``expert_ffn(e, xs)``
+    (``xs`` f32 ``[n_e, K]``, the bucket's rows gathered contiguous, ascending token) -> f32
+    ``[n_e, K]`` run once per selected expert. ``x`` f32 ``[T, K]``, ``topk_ids`` int64 /
+    ``topk_weights`` f32 ``[T, k]`` -> a new f32 ``[T, K]``."""
     t, hidden = x.shape
-    n_experts, width, k_in = gate_exps.shape
-    assert k_in == hidden and tuple(up_exps.shape) == (n_experts, width, hidden), (
-        gate_exps.shape,
-        up_exps.shape,
-    )
-    assert tuple(down_exps.shape) == (n_experts, hidden, width), (down_exps.shape, gate_exps.shape)
-    ids, weights = routing.topk_ids, routing.topk_weights  # [T, k]
-    top_k = ids.shape[1]
-    order = torch.argsort(ids.flatten(), stable=True)  # (token, slot) pairs bucketed by expert
-    counts = torch.bincount(ids.flatten(), minlength=n_experts).tolist()  # [E]
-    flat_weights = weights.flatten()
+    top_k = topk_ids.shape[1]
+    order = torch.argsort(topk_ids.flatten(), stable=True)  # (token, slot) pairs bucketed by expert
+    counts = torch.bincount(topk_ids.flatten(), minlength=n_experts).tolist()  # [E]
+    flat_weights = topk_weights.flatten()
     weighted = torch.empty(t * top_k, hidden)  # [T * k, K]: w * y of every pair, in bucket order
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         pairs = order[start : start + count]  # [n_e], ascending token within the bucket
-        rows = pairs // top_k
-        xs = x[rows]  # [n_e, K], gathered contiguous
-        h = silu_mul(
-            linear(xs, gate_exps[expert], None), linear(xs, up_exps[expert], None)
-        )  # [n_e, N]
-        y = linear(h, down_exps[expert], None)  # [n_e, K]
+        y = expert_ffn(expert, x[pairs // top_k])  # [n_e, K]
         torch.mul(y, flat_weights[pairs, None], out=weighted[start : start + count])
         start += count
     # Each token's rows of `weighted`, in ascending expert index (the buckets' order; a token
@@ -149,6 +133,35 @@ def _moe(
     out = mine[:, 0].clone()  # [T, K]
     for slot in range(1, top_k):
         out += mine[:, slot]
+    return out
+
+
+def _moe(
+    x: torch.Tensor,
+    routing: RouterOutput,
+    gate_exps: Weight,
+    up_exps: Weight,
+    down_exps: Weight,
+    shared: SharedExperts | None,
+    linear: Linear,
+    silu_mul: SiluMul,
+    gate_sigmoid: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    hidden = x.shape[1]
+    n_experts, width, k_in = gate_exps.shape
+    assert k_in == hidden and tuple(up_exps.shape) == (n_experts, width, hidden), (
+        gate_exps.shape,
+        up_exps.shape,
+    )
+    assert tuple(down_exps.shape) == (n_experts, hidden, width), (down_exps.shape, gate_exps.shape)
+
+    def expert_ffn(expert: int, xs: torch.Tensor) -> torch.Tensor:
+        h = silu_mul(
+            linear(xs, gate_exps[expert], None), linear(xs, up_exps[expert], None)
+        )  # [n_e, N]
+        return linear(h, down_exps[expert], None)  # [n_e, K]
+
+    out = bucketed_experts(x, routing.topk_ids, routing.topk_weights, n_experts, expert_ffn)  # [T, K]
     if shared is not None:
         y = linear(
             silu_mul(linear(x, shared.gate_proj, None), linear(x, shared.up_proj, None)),

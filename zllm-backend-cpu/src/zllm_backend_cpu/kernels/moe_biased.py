@@ -25,7 +25,14 @@ from collections.abc import Callable
 import torch
 
 from zllm_backend_cpu.kernels import invariant
-from zllm_backend_cpu.kernels.moe import ROUTER_TILE, Linear, Weight, torch_linear, torch_linear_invariant
+from zllm_backend_cpu.kernels.moe import (
+    ROUTER_TILE,
+    Linear,
+    Weight,
+    bucketed_experts,
+    torch_linear,
+    torch_linear_invariant,
+)
 
 
 def router_topk_softmax(router_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,29 +137,13 @@ def run_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     gate_exps, up_exps, down_exps = stacks
     gate_bias, up_bias, down_bias = biases
     assert x.dim() == 2 and x.dtype == torch.float32, (x.shape, x.dtype)
-    t, hidden = x.shape
+    hidden = x.shape[1]
     n_experts, width, k_in = gate_exps.shape
     assert k_in == hidden and tuple(down_exps.shape) == (n_experts, hidden, width), (gate_exps.shape, down_exps.shape)
-    top_k = topk_ids.shape[1]
-    order = torch.argsort(topk_ids.flatten(), stable=True)  # (token, slot) pairs bucketed by expert
-    counts = torch.bincount(topk_ids.flatten(), minlength=n_experts).tolist()  # [E]
-    flat_weights = topk_weights.flatten()
-    weighted = torch.empty(t * top_k, hidden)  # [T * k, K]: w * y of every pair, in bucket order
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]  # [n_e], ascending token within the bucket
-        xs = x[pairs // top_k]  # [n_e, K]
+
+    def expert_ffn(expert: int, xs: torch.Tensor) -> torch.Tensor:
         h = swiglu(linear(xs, gate_exps[expert], gate_bias[expert].float()),
                    linear(xs, up_exps[expert], up_bias[expert].float()), alpha, limit)  # [n_e, N]
-        y = linear(h, down_exps[expert], down_bias[expert].float())  # [n_e, K]
-        torch.mul(y, flat_weights[pairs, None], out=weighted[start:start + count])
-        start += count
-    position = torch.empty_like(order)
-    position[order] = torch.arange(t * top_k)
-    mine = weighted[position.view(t, top_k).sort(dim=1).values]  # [T, k, K], ascending expert per token
-    out = mine[:, 0].clone()  # [T, K]
-    for slot in range(1, top_k):
-        out += mine[:, slot]
-    return out
+        return linear(h, down_exps[expert], down_bias[expert].float())  # [n_e, K]
+
+    return bucketed_experts(x, topk_ids, topk_weights, n_experts, expert_ffn)

@@ -166,18 +166,27 @@ def _shared_scale(x: torch.Tensor, shared: SharedExperts | None, invariant: bool
     return in_tiles(torch.sigmoid, logits) if invariant else torch.sigmoid(logits)
 
 
+def _moe_native(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
+                up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None, shared: SharedExperts | None,
+                *, invariant: bool) -> torch.Tensor:
+    """:func:`moe_gemv` (``invariant`` False) or :func:`moe_gemv_invariant` (True)."""
+    if not native_formats(gate_exps, up_exps, down_exps, shared):
+        loop = _loop_invariant if invariant else _loop
+        return loop(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)
+    check_args(x, router_logits, router)
+    routing = (route_in_tiles if invariant else select_experts)(router_logits, router, correction_bias)
+    return moe_experts(x, routing.topk_ids, routing.topk_weights, gate_exps, up_exps, down_exps, shared,
+                       _shared_scale(x, shared, invariant))
+
+
 def moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
              up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
              shared: SharedExperts | None = None) -> torch.Tensor:
     """The MoE FFN by the native kernel (module doc), k-quant weights by the per-expert loop; arguments as
     :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError when the native library is
     unavailable (the plugin registers this kernel only when it loads)."""
-    if not native_formats(gate_exps, up_exps, down_exps, shared):
-        return _loop(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)
-    check_args(x, router_logits, router)
-    routing = select_experts(router_logits, router, correction_bias)
-    return moe_experts(x, routing.topk_ids, routing.topk_weights, gate_exps, up_exps, down_exps, shared,
-                       _shared_scale(x, shared, invariant=False))
+    return _moe_native(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared,
+                       invariant=False)
 
 
 def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
@@ -186,12 +195,8 @@ def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: Rou
     """Batch-invariant :func:`moe_gemv`: the native kernel (batch-invariant itself), the router
     and the shared-expert gate over fixed tiles; k-quant weights take the
     batch-invariant per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`."""
-    if not native_formats(gate_exps, up_exps, down_exps, shared):
-        return _loop_invariant(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared)
-    check_args(x, router_logits, router)
-    routing = route_in_tiles(router_logits, router, correction_bias)
-    return moe_experts(x, routing.topk_ids, routing.topk_weights, gate_exps, up_exps, down_exps, shared,
-                       _shared_scale(x, shared, invariant=True))
+    return _moe_native(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared,
+                       invariant=True)
 
 
 def moe_clamped_swiglu_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_exps: Weight,

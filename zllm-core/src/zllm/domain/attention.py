@@ -70,17 +70,21 @@ def first_window_block(query_len: int, context_len: int, window: int, block_size
 
 
 def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             window: int | None = None, first_key_pos: int = 0) -> torch.Tensor:
+                             window: int | None = None, first_key_pos: int = 0,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` f32 ``[Q, H, D]`` over ``k``, ``v`` f32 ``[L', Hkv, D]`` whose last ``Q``
     tokens are the queries.
 
     The keys are absolute positions ``first_key_pos .. first_key_pos + L' - 1``; with
-    ``window`` a query at ``p`` sees only keys ``> p - window``. Returns f32 ``[Q, H, D]``.
+    ``window`` a query at ``p`` sees only keys ``> p - window``. With ``sinks`` f32 ``[H]``
+    each head's sink logit joins every row's softmax as one more column that attends to
+    nothing (:mod:`zllm.domain.attention_sinks`). Returns f32 ``[Q, H, D]``.
     """
     n_q, h, d = q.shape
     n_k, hkv, _ = k.shape
     assert n_q <= n_k and h % hkv == 0, (q.shape, k.shape)
     assert window is None or window > 0, window
+    assert sinks is None or (sinks.shape == (h,) and sinks.dtype == torch.float32), (sinks.shape, sinks.dtype)
     k = k.repeat_interleave(h // hkv, dim=1)  # [L', H, D]
     v = v.repeat_interleave(h // hkv, dim=1)  # [L', H, D]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Q, L']
@@ -92,9 +96,13 @@ def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         allowed &= k_pos[None, :] > q_pos[:, None] - window
     assert bool(allowed.any(dim=-1).all()), ("a query sees no key", first_key_pos, n_k, n_q, window)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(h, n_q, 1)], dim=-1)  # [H, Q, L' + 1]
     scores = scores - scores.amax(dim=-1, keepdim=True)  # every row keeps its own key, so the max is finite
     weights = scores.exp()
-    weights = weights / weights.sum(dim=-1, keepdim=True)  # [H, Q, L]
+    weights = weights / weights.sum(dim=-1, keepdim=True)  # [H, Q, L'] (+ the sink's column)
+    if sinks is not None:
+        weights = weights[..., :-1]  # the sink attends to nothing
     return torch.einsum("hqk,khd->qhd", weights, v)  # [Q, H, D]
 
 
@@ -111,7 +119,7 @@ def attention(
     ``q`` f32 ``[T, H, D]``, ``k``/``v`` f32 ``[T, Hkv, D]``, caches ``[NB, BS, Hkv, D]``
     (any float dtype; written in place at ``meta.slot_mapping`` first) -> f32 ``[T, H, D]``.
     """
-    return _paged_attention(q, k, v, k_cache, v_cache, meta, None)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, None)
 
 
 def sliding_window_attention(
@@ -128,10 +136,13 @@ def sliding_window_attention(
     :func:`first_window_block`, so those may be freed (-1) in ``meta.block_tables``.
     """
     assert window > 0, window
-    return _paged_attention(q, k, v, k_cache, v_cache, meta, window)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, window)
 
 
-def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`attention` (``window`` None) or :func:`sliding_window_attention`, each with one sink
+    logit per head when ``sinks`` f32 ``[H]`` is given (:func:`causal_softmax_attention`)."""
     t, h, d = q.shape
     assert q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
     assert k.shape == v.shape and k.shape[0] == t and k.shape[2] == d and h % k.shape[1] == 0, (q.shape, k.shape)
@@ -151,7 +162,7 @@ def _paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window:
         ctx_k = gather_context(k_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
         ctx_v = gather_context(v_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
         out[start : start + n_q] = causal_softmax_attention(
-            q[start : start + n_q], ctx_k, ctx_v, meta.scale, window, first * bs
+            q[start : start + n_q], ctx_k, ctx_v, meta.scale, window, first * bs, sinks
         )
         start += n_q
     return out

@@ -17,7 +17,8 @@ contribute little. transformers appends the sink as an extra column of the score
 subtracts the row max over all columns (the sink included), takes the softmax and drops the
 sink's column; this reference does the same in f32. The sink logits are not scaled by
 ``meta.scale``. Everything else — the paged cache, the bottom-right causal mask, the
-optional sliding window that reads no freed block — is :func:`zllm.domain.attention.attention`'s.
+optional sliding window that reads no freed block — is :func:`zllm.domain.attention.attention`'s:
+both run :func:`zllm.domain.attention.paged_attention`, this one with the sinks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from zllm.capabilities.ops import AttentionMetadata, OpDeclaration
-from zllm.domain.attention import first_window_block, gather_context, write_kv
+from zllm.domain.attention import causal_softmax_attention, paged_attention
 
 
 def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
@@ -34,27 +35,7 @@ def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, si
     positions ``first_key_pos ..``; the last ``Q`` keys are the queries) with one sink logit
     per head, ``sinks`` f32 ``[H]``; with ``window`` a query at ``p`` sees only keys
     ``> p - window``. Returns f32 ``[Q, H, D]``."""
-    n_q, h, d = q.shape
-    n_k, hkv, _ = k.shape
-    assert n_q <= n_k and h % hkv == 0, (q.shape, k.shape)
-    assert sinks.shape == (h,) and sinks.dtype == torch.float32, (sinks.shape, sinks.dtype)
-    assert window is None or window > 0, window
-    k = k.repeat_interleave(h // hkv, dim=1)  # [L', H, D]
-    v = v.repeat_interleave(h // hkv, dim=1)  # [L', H, D]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Q, L']
-    n_ctx = first_key_pos + n_k
-    q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device)
-    k_pos = torch.arange(first_key_pos, n_ctx, device=q.device)
-    allowed = k_pos[None, :] <= q_pos[:, None]  # [Q, L']
-    if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    sink_col = sinks[:, None, None].expand(h, n_q, 1)  # [H, Q, 1]
-    logits = torch.cat([scores, sink_col], dim=-1)  # [H, Q, L' + 1]
-    logits = logits - logits.amax(dim=-1, keepdim=True)  # the sink column keeps every max finite
-    weights = logits.exp()
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return torch.einsum("hqk,khd->qhd", weights[..., :-1], v)  # [Q, H, D], the sink's column dropped
+    return causal_softmax_attention(q, k, v, scale, window, first_key_pos, sinks)
 
 
 def attention_sinks(
@@ -81,25 +62,8 @@ def attention_sinks(
     Returns:
         f32 ``[T, H, D]``.
     """
-    t, h, d = q.shape
-    assert q.dtype == k.dtype == v.dtype == torch.float32, (q.dtype, k.dtype, v.dtype)
-    assert k.shape == v.shape and k.shape[0] == t and k.shape[2] == d and h % k.shape[1] == 0, (q.shape, k.shape)
-    assert k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == tuple(k.shape[1:]), (k_cache.shape, k.shape)
-    assert sum(meta.query_lens) == t and len(meta.context_lens) == len(meta.query_lens), meta
-    assert all(0 < ql <= cl for ql, cl in zip(meta.query_lens, meta.context_lens, strict=True)), meta
     assert window is None or window > 0, window
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    bs = k_cache.shape[1]
-    out = torch.empty_like(q)  # [T, H, D]
-    start = 0
-    for s, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-        first = 0 if window is None else first_window_block(n_q, n_ctx, window, bs)
-        ctx_k = gather_context(k_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
-        ctx_v = gather_context(v_cache, meta.block_tables[s], n_ctx, first)  # [L', Hkv, D]
-        out[start:start + n_q] = sink_softmax_attention(q[start:start + n_q], ctx_k, ctx_v, sinks, meta.scale,
-                                                        window, first * bs)
-        start += n_q
-    return out
+    return paged_attention(q, k, v, k_cache, v_cache, meta, window, sinks)
 
 
 OPS = (

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp
 from zllm.server import anthropic_messages, openai_chat, openai_completions, openai_responses, tokens
 from zllm.server.common import ServerState, state
 from zllm.server.errors import ApiError, error_response, validation_error
+from zllm.server.request_count import answer_counted, route_label
 
 log = logging.getLogger(__name__)
 
@@ -128,34 +129,16 @@ class _CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["zllm_arrival"] = time.monotonic()
-        status = {"code": 500}
 
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
+        def count(code: str) -> None:
+            self.app.state.zllm.metrics.requests.labels(route_label(scope.get("path", ""), _ROUTES), code).inc()
 
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            self.app.state.zllm.metrics.requests.labels(_route(scope), str(status["code"])).inc()
+        await answer_counted(self.app, scope, receive, send, count)
 
 
 _ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
                      "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
                      "/docs", "/openapi.json"})
-
-
-def _route(scope) -> str:
-    """The metrics label of a request: its route, ``/v1/models/{id}``, ``/v1/responses/{id}`` or ``other``
-    (unknown paths share one label so clients cannot grow the label set)."""
-    path = scope.get("path", "").rstrip("/") or "/"
-    if path in _ROUTES:
-        return path
-    for prefix in ("/v1/models/", "/v1/responses/"):
-        if path.startswith(prefix):
-            return prefix + "{id}"
-    return "other"
 
 
 class _BodyLimit:

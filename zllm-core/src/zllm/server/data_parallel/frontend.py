@@ -40,10 +40,11 @@ from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zllm.server.app import MAX_BODY_BYTES, _BodyLimit
-from zllm.server.data_parallel.metrics import FrontEndMetrics, route_label
+from zllm.server.data_parallel.metrics import ROUTES, FrontEndMetrics
 from zllm.server.data_parallel.request_text import read_request
 from zllm.server.data_parallel.routing import NoReplicaError, Route, Router
 from zllm.server.errors import ApiError, error_body, error_response, is_anthropic
+from zllm.server.request_count import answer_counted, route_label
 
 log = logging.getLogger(__name__)
 
@@ -165,17 +166,11 @@ class _CountRequests:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = {"code": 500}
 
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
+        def count(code: str) -> None:
+            self.state.zllm.metrics.requests.labels(route_label(scope.get("path", ""), ROUTES), code).inc()
 
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            self.state.zllm.metrics.requests.labels(route_label(scope.get("path", "")), str(status["code"])).inc()
+        await answer_counted(self.app, scope, receive, send, count)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

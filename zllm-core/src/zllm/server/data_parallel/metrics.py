@@ -35,20 +35,9 @@ if TYPE_CHECKING:
 
 SCRAPE_TIMEOUT_S = 5.0
 
-_ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-                     "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize"})
-
-
-def route_label(path: str) -> str:
-    """The ``route`` label of a request path (unknown paths share ``other``, so clients cannot
-    grow the label set)."""
-    path = path.rstrip("/") or "/"
-    if path in _ROUTES:
-        return path
-    for prefix in ("/v1/models/", "/v1/responses/"):
-        if path.startswith(prefix):
-            return prefix + "{id}"
-    return "other"
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                    "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize"})
+"""The paths the front end labels as themselves (:func:`zllm.server.request_count.route_label`)."""
 
 
 class FrontEndMetrics:
