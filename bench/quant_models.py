@@ -47,8 +47,10 @@ HF_LAYOUTS = {
     "mxfp4": ("mxfp4", "q4_0", "compressed-tensors mxfp4-pack-quantized"),
 }
 GGUF_ROWS = ("q8_0", "q4_0")
-#: transformers' dtype per layout where it loads the directory on a CPU; the others: why not.
-TRANSFORMERS = {"fp8-block": "f32", "w8a16": "f32", "w4a16": "f32", "mxfp4": "bf16"}
+#: transformers' dtype per layout it is tried on. Not W4A16: its compressed-tensors path refuses
+#: the packed zero points of an asymmetric int4 scheme (tests/parity/test_quant_hf_vs_transformers.py);
+#: MXFP4 decompresses to bf16 only. A row that fails its first round is not run again.
+TRANSFORMERS = {"fp8-block": "f32", "w8a16": "f32", "mxfp4": "bf16"}
 _DONE = ".quant-complete"
 
 
@@ -141,6 +143,8 @@ def measure(name: str, layouts: list[str], rounds: int, threads: int, prompt_len
     bandwidths = [measure_bandwidth(threads, timeout)] if bandwidth else []
     for r in range(rounds):
         for engine, key in rows:
+            if r and all("error" in x for x in runs[f"{engine} {key}"]):
+                continue
             spec = {"engine": engine, "model_path": str(paths[key]), "dtype": TRANSFORMERS.get(key, "f32"),
                     "prompt_ids": prompt, "warmup_ids": warmup, "new_tokens": new_tokens, "threads": threads}
             res = run_worker(spec, threads, timeout)
