@@ -146,12 +146,11 @@ def test_a_nan_scale_stops_the_engine_before_the_first_token_naming_file_and_ten
     assert str(file) in str(err.value) and "NaN scale at index [1, 0]" in str(err.value)
 
 
-@pytest.mark.parametrize("v_head_dim", [16, 8], ids=["heads-on-blocks", "heads-across-blocks"])
-def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_path, capsys, v_head_dim):
-    # DeepSeek-V3's FP8 layout on every projection; kv_a_proj_with_mqa has 40 rows here (32 + 8),
-    # so its last 32-row scale block is partial, as the real model's 576-row projection is.
-    # kv_b_proj's heads are Dn + Dv = 32 rows (on the 32-row scale blocks: kept quantized, the
-    # MLA kernel splits it per head) or 24 rows (across them: dequantized at load, said so).
+def _deepseek_fp8_against_transformers(tmp_path: Path, capsys, v_head_dim: int) -> tuple[object, list[str]]:
+    """A tiny DeepSeek-V3 in its FP8 layout on every projection, run by zllm against transformers on
+    the dequantized weights (prefill logits, greedy decode); returns layer 0's loaded ``kv_b_proj``
+    and the ``changed at load`` lines of ``--explain``. kv_a_proj_with_mqa has 40 rows (32 + 8), so
+    its last 32-row scale block is partial, as the real model's 576-row projection is."""
     dense = tmp_path / "dense"
     cfg = transformers.AutoConfig.for_model(
         "deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -181,18 +180,26 @@ def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_
     torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT), atol=1e-4, rtol=0)
     out = engine.generate({"prompt_token_ids": PROMPT, "max_tokens": 16, "stop_token_ids": []})
     assert out["token_ids"] == hf_greedy(oracle, 16)[: len(out["token_ids"])]  # decode: the absorbed form
-
-    kv_b = engine.loaded.model.layers[0].kv_b
     _explain(engine)
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("changed at load: ")]
-    if v_head_dim == 16:
-        assert isinstance(kv_b, QuantizedTensor) and kv_b.fmt == "fp8_e4m3" and notes == []
-    else:
-        assert isinstance(kv_b, torch.Tensor) and kv_b.dtype == torch.float32
-        assert notes == [
-            f"changed at load: model.layers.{i}.self_attn.kv_b_proj.weight (fp8_e4m3 scale blocks of 32 rows "
-            "do not align with a head's 24 rows: dequantized to f32 at load)" for i in range(2)
-        ]
+    return engine.loaded.model.layers[0].kv_b, notes
+
+
+def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_path, capsys):
+    # kv_b_proj's heads are Dn + Dv = 32 rows, on its 32-row scale blocks: the MLA kernel splits
+    # it per head and it stays FP8.
+    kv_b, notes = _deepseek_fp8_against_transformers(tmp_path, capsys, v_head_dim=16)
+    assert isinstance(kv_b, QuantizedTensor) and kv_b.fmt == "fp8_e4m3" and notes == []
+
+
+def test_deepseek_kv_b_proj_whose_heads_cross_scale_blocks_is_dequantized_at_load_and_explained(tmp_path, capsys):
+    # Dn + Dv = 24 rows a head across 32-row scale blocks: dequantized at load (as vLLM does), said so.
+    kv_b, notes = _deepseek_fp8_against_transformers(tmp_path, capsys, v_head_dim=8)
+    assert isinstance(kv_b, torch.Tensor) and kv_b.dtype == torch.float32
+    assert notes == [
+        f"changed at load: model.layers.{i}.self_attn.kv_b_proj.weight (fp8_e4m3 scale blocks of 32 rows "
+        "do not align with a head's 24 rows: dequantized to f32 at load)" for i in range(2)
+    ]
 
 
 def test_explain_names_the_quantization_the_kernels_and_the_unused_activation_scales(tmp_path, dense):
