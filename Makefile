@@ -16,7 +16,7 @@ GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backe
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-serve bench-grammar bench-speculative bench-parallel compat clean
+.PHONY: run test bench bench-serve bench-grammar bench-speculative bench-parallel bench-quant compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ bench-parallel: $(VENV)/.installed-test
 BENCH_SERVE_ARGS ?=
 bench-serve: $(VENV)/.installed-test
 	$(BIN)/python bench/serve.py $(BENCH_SERVE_ARGS)
+
+BENCH_QUANT_ARGS ?=
+bench-quant: $(VENV)/.installed-test
+	$(BIN)/python bench/quant_models.py $(BENCH_QUANT_ARGS)
 
 BENCH_GRAMMAR_ARGS ?=
 bench-grammar: $(VENV)/.installed-test

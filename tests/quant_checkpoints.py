@@ -176,10 +176,10 @@ def write_modelopt_nvfp4(src: Path, dst: Path) -> StateDict:
     return _rewrite(src, dst, qconfig, quantize)
 
 
-def write_compressed_tensors(src: Path, dst: Path, scheme: str) -> StateDict:
+def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32) -> StateDict:
     """A compressed-tensors checkpoint written by the library's own compressors
     (``compress(state_dict, scheme)``) from zllm quantizers' scales: ``w4a16`` (pack-quantized
-    int4, asymmetric groups of 32), ``w8a16`` (pack-quantized int8, symmetric per channel),
+    int4, asymmetric groups of ``group``), ``w8a16`` (pack-quantized int8, symmetric per channel),
     ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
@@ -187,7 +187,7 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str) -> StateDict:
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
     args, fmt = {
-        "w4a16": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32), "pack-quantized"),
+        "w4a16": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group), "pack-quantized"),
         "w8a16": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
         "fp8-block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 32]),
                       "float-quantized"),
@@ -201,7 +201,7 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str) -> StateDict:
 
     def quantize(prefix: str, w: torch.Tensor, out: StateDict) -> torch.Tensor:
         if scheme == "w4a16":
-            qt = quantizers.quantize_int_g(w, 4, 32, symmetric=False)
+            qt = quantizers.quantize_int_g(w, 4, group, symmetric=False)
             state = {"weight": w, "weight_scale": qt.parts["scales"],
                      "weight_zero_point": (qt.parts["zeros"].to(torch.int8) - 8)}
         elif scheme == "w8a16":

@@ -25,6 +25,7 @@ import zllm
 from tests import quant_checkpoints as qc
 from tests.conftest import copy_tokenizer, write_config
 from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits
+from zllm.weights.formats import QuantizedTensor
 
 WRITERS = {
     "fp8-block": lambda src, dst: qc.write_fp8(src, dst, (32, 32)),
@@ -145,16 +146,18 @@ def test_a_nan_scale_stops_the_engine_before_the_first_token_naming_file_and_ten
     assert str(file) in str(err.value) and "NaN scale at index [1, 0]" in str(err.value)
 
 
-def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_path):
-    # DeepSeek-V3's FP8 layout on every projection; kv_a_proj_with_mqa has 40 rows here (32 + 8),
-    # so its last 32-row scale block is partial, as the real model's 576-row projection is.
+def _deepseek_fp8_against_transformers(tmp_path: Path, capsys, v_head_dim: int) -> tuple[object, list[str]]:
+    """A tiny DeepSeek-V3 in its FP8 layout on every projection, run by zllm against transformers on
+    the dequantized weights (prefill logits, greedy decode); returns layer 0's loaded ``kv_b_proj``
+    and the ``changed at load`` lines of ``--explain``. kv_a_proj_with_mqa has 40 rows (32 + 8), so
+    its last 32-row scale block is partial, as the real model's 576-row projection is."""
     dense = tmp_path / "dense"
     cfg = transformers.AutoConfig.for_model(
         "deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        n_group=2, topk_group=1,
+        v_head_dim=v_head_dim, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, n_group=2, topk_group=1,
         first_k_dense_replace=1, tie_word_embeddings=False,
     )
     torch.manual_seed(16)
@@ -167,6 +170,7 @@ def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_
     modules = (*qc.QUANTIZED, "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
     quantized, reference = tmp_path / "fp8", tmp_path / "fp8-dequantized"
     qc.write_dense(dense, reference, qc.write_fp8(dense, quantized, (32, 32), modules=modules))
+    from zllm.cli.run import _explain
     from zllm.weights import open_checkpoint
 
     kv_a = open_checkpoint(quantized).tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
@@ -174,6 +178,28 @@ def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_
     oracle = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
     torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT), atol=1e-4, rtol=0)
+    out = engine.generate({"prompt_token_ids": PROMPT, "max_tokens": 16, "stop_token_ids": []})
+    assert out["token_ids"] == hf_greedy(oracle, 16)[: len(out["token_ids"])]  # decode: the absorbed form
+    _explain(engine)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("changed at load: ")]
+    return engine.loaded.model.layers[0].kv_b, notes
+
+
+def test_deepseek_v3_fp8_blocks_with_a_partial_row_block_match_transformers(tmp_path, capsys):
+    # kv_b_proj's heads are Dn + Dv = 32 rows, on its 32-row scale blocks: the MLA kernel splits
+    # it per head and it stays FP8.
+    kv_b, notes = _deepseek_fp8_against_transformers(tmp_path, capsys, v_head_dim=16)
+    assert isinstance(kv_b, QuantizedTensor) and kv_b.fmt == "fp8_e4m3" and notes == []
+
+
+def test_deepseek_kv_b_proj_whose_heads_cross_scale_blocks_is_dequantized_at_load_and_explained(tmp_path, capsys):
+    # Dn + Dv = 24 rows a head across 32-row scale blocks: dequantized at load (as vLLM does), said so.
+    kv_b, notes = _deepseek_fp8_against_transformers(tmp_path, capsys, v_head_dim=8)
+    assert isinstance(kv_b, torch.Tensor) and kv_b.dtype == torch.float32
+    assert notes == [
+        f"changed at load: model.layers.{i}.self_attn.kv_b_proj.weight (fp8_e4m3 scale blocks of 32 rows "
+        "do not align with a head's 24 rows: dequantized to f32 at load)" for i in range(2)
+    ]
 
 
 def test_explain_names_the_quantization_the_kernels_and_the_unused_activation_scales(tmp_path, dense):

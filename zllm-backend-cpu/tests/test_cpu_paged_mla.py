@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.paged_batches import paged_batch
 from zllm.capabilities.ops import AttentionMetadata
-from zllm.conformance.cases import cases_for
+from zllm.conformance.cases import cases_for, make_weight
 from zllm.conformance.kernels import reference_args
 from zllm.domain.mla import mla_paged_attention
 from zllm.weights.formats import QuantizedTensor
@@ -123,23 +123,16 @@ def test_long_context_decode_matches_the_reference(cache_dtype):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_quantized_kv_b_proj_matches_the_reference_on_its_decoded_weight():
-    case = next(
-        c for c in cases_for("mla_attention", "paged", seed=1) if "kv_b_proj=q8_0" in c.label
-    )
-    args = reference_args(case)
-    assert isinstance(args[4], QuantizedTensor)
-    decode_only = AttentionMetadata(
-        args[5].slot_mapping[-1:],
-        args[5].block_tables[-1:],
-        (1,),
-        args[5].context_lens[-1:],
-        args[5].scale,
-    )
-    q_nope, q_pe, latent = (x[-1:] for x in args[:3])
-    got = mla_attention(q_nope, q_pe, latent, args[3].clone(), args[4], decode_only)
-    ref = mla_paged_attention(q_nope, q_pe, latent, args[3].clone(), args[4], decode_only)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "int4_g", "mxfp4"])
+def test_quantized_kv_b_proj_stays_quantized_and_matches_the_reference_on_its_decoded_weight(fmt):
+    # 4 heads of Dn + Dv = 32 rows: the conformance FP8 blocks of 16 rows fall on the heads.
+    q_nope, q_pe, latent, cache, _, meta = mla_batch(SHAPES[0], 5, [(1, 23), (4, 9), (1, 1)], torch.float32, 7)
+    kv_b = make_weight(torch.Generator().manual_seed(8), fmt, 4 * 32, 32)
+    assert isinstance(kv_b, QuantizedTensor)
+    got, expected = run_and_compare((q_nope, q_pe, latent, cache, kv_b, meta))
+    for ref in expected.values():
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert paged_mla._SPLITS.get(kv_b) is None  # no f32 W_UK / W_UV kept beside it
 
 
 def alone(args, s: int):

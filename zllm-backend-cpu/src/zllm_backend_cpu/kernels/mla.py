@@ -19,6 +19,13 @@ Both forms are exact rewrites of one another (equal to f32 rounding, ~1e-6 here)
 kernels read a sequence's blocks through its block table; a 16-bit cache is upcast per
 sequence after the gather.
 
+In :func:`mla_attention` a quantized ``kv_b_proj`` is never decoded whole: the expanded form runs it through the
+quantized ``linear`` kernel, the absorbed form decodes one head's ``W_UK`` at a time and runs
+each head's ``W_UV`` rows as a quantized slice (:func:`_to_latent`, :func:`_from_latent`).
+(The DeepSeek family dequantizes it at load instead where a head's rows do not start on a
+scale-block boundary, as vLLM does.) :func:`mla_attention_invariant` decodes it whole for
+the call, a transient copy.
+
 :func:`mla_attention` is not batch-invariant (a prefill sequence's queries share one SDPA
 call whose blocking depends on ``Q``; the absorbed projections of a decode round are one
 batched matmul over its rows). :func:`mla_attention_invariant` runs every query token as a
@@ -85,6 +92,40 @@ def _kv_b_f32(
         else kv_b_proj.float()
     )
     return w.view(h, dn + dv, r)
+
+
+def _to_latent(
+    q_nope: torch.Tensor, kv_b_proj: torch.Tensor | QuantizedTensor, h: int, dn: int, dv: int, r: int
+) -> torch.Tensor:
+    """``q_nope`` f32 ``[S', H, Dn]`` -> ``q_nope · W_UK`` f32 ``[H, S', R]``.
+
+    A quantized ``kv_b_proj`` stays quantized: one head's ``Dn`` rows at a time are decoded
+    into one reused ``[Dn, R]`` buffer, so no f32 copy of the weight is ever made."""
+    if not isinstance(kv_b_proj, QuantizedTensor):
+        return torch.bmm(q_nope.transpose(0, 1), _kv_b_f32(kv_b_proj, h, dn, dv, r)[:, :dn])
+    out = torch.empty(h, q_nope.shape[0], r)  # [H, S', R]
+    buf = torch.empty(dn, r)  # one head's W_UK
+    for head in range(h):
+        start = head * (dn + dv)
+        torch.mm(q_nope[:, head], _decode_rows(kv_b_proj, start, start + dn, buf), out=out[head])
+    return out
+
+
+def _from_latent(
+    lat: torch.Tensor, kv_b_proj: torch.Tensor | QuantizedTensor, h: int, dn: int, dv: int, r: int
+) -> torch.Tensor:
+    """The attended latent f32 ``[H, S', R]`` -> ``lat · W_UV^T`` f32 ``[S', H, Dv]``.
+
+    A quantized ``kv_b_proj`` stays quantized: each head's ``Dv`` rows of ``W_UV`` are a
+    quantized row slice run through the quantized ``linear`` kernel."""
+    if not isinstance(kv_b_proj, QuantizedTensor):
+        w_uv = _kv_b_f32(kv_b_proj, h, dn, dv, r)[:, dn:]  # [H, Dv, R]
+        return torch.bmm(lat, w_uv.transpose(1, 2)).transpose(0, 1)
+    out = torch.empty(lat.shape[1], h, dv)  # [S', H, Dv]
+    for head in range(h):
+        start = head * (dn + dv) + dn
+        out[:, head] = linear_quant(lat[head].contiguous(), kv_b_proj.rows(slice(start, start + dv)), None)
+    return out
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
@@ -163,9 +204,8 @@ def mla_attention(
             )
         start += n_q
     if decode_rows:
-        kv_b = _kv_b_f32(kv_b_proj, h, dn, dv, r)  # [H, Dn + Dv, R]
         idx = torch.tensor(decode_rows)
-        q_lat = torch.bmm(q_nope[idx].transpose(0, 1), kv_b[:, :dn])  # [H, S', R]
+        q_lat = _to_latent(q_nope[idx], kv_b_proj, h, dn, dv, r)  # [H, S', R]
         q_full = torch.cat([q_lat, q_pe[idx].transpose(0, 1)], dim=-1)  # [H, S', W]
         lat_out = torch.stack(
             [
@@ -174,7 +214,7 @@ def mla_attention(
             ],
             dim=1,
         )  # [H, S', R]
-        out[idx] = torch.bmm(lat_out, kv_b[:, dn:].transpose(1, 2)).transpose(0, 1)  # [S', H, Dv]
+        out[idx] = _from_latent(lat_out, kv_b_proj, h, dn, dv, r)  # [S', H, Dv]
     return out
 
 

@@ -20,10 +20,12 @@ torch kernel of :mod:`.mla` (the expanded form), which writes their rows again (
 values) before attending. Caches of another
 dtype, or not contiguous, take the torch kernel for the whole call.
 
-``W_UK`` f32 ``[H, Dn, R]`` and ``W_UV`` transposed, f32 ``[H, R, Dv]``, are split out of
-``kv_b_proj`` (decoded when quantized or 16-bit) once per weight and kept while the weight
-lives (:func:`absorbed_weights`): ``4 H (Dn + Dv) R`` bytes per layer (8 MiB for
-DeepSeek-V2-Lite's shapes), in exchange for no per-step decode of the weight.
+``W_UK`` f32 ``[H, Dn, R]`` and ``W_UV`` transposed, f32 ``[H, R, Dv]``, are split out of a
+dense ``kv_b_proj`` (converted when 16-bit) once per weight and kept while the weight lives
+(:func:`absorbed_weights`): ``4 H (Dn + Dv) R`` bytes per layer (8 MiB for DeepSeek-V2-Lite's
+shapes), in exchange for no per-step conversion. A quantized ``kv_b_proj`` stays quantized
+(an f32 copy would be 4x an FP8 one: 4 GiB over DeepSeek-V3's layers): such a call runs on the
+torch kernel of :mod:`.mla`, which decodes one head at a time.
 
 Numerics: f32 throughout; the exp is within 1 ulp, the softmax is the reference's, only the
 summation orders differ: within ~1e-6 of :mod:`zllm.domain.mla` in either form. Each decode
@@ -134,7 +136,7 @@ def mla_attention(
     NaN instead of a read outside it.
     """
     kernels = _KERNELS.get(latent_cache.dtype)
-    if kernels is None or not latent_cache.is_contiguous():
+    if kernels is None or not latent_cache.is_contiguous() or isinstance(kv_b_proj, QuantizedTensor):
         return torch_mla.mla_attention(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta)
     h, dn, dr, dv, r = torch_mla._check(q_nope, q_pe, latent, latent_cache, kv_b_proj, meta)
     write, decode = kernels

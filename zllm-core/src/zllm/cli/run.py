@@ -158,6 +158,10 @@ def _explain(engine) -> None:
         print(f"quantization: {loaded.checkpoint.quantization} (kept quantized)", file=out)
     for name, why in loaded.checkpoint.skipped_tensors.items():
         print(f"skipped tensor: {name} ({why})", file=out)
+    # A family may change a weight at load (DeepSeek dequantizes a kv_b_proj whose scale
+    # blocks straddle its heads); it lists those in its model's optional ``load_notes``.
+    for name, why in getattr(loaded.model, "load_notes", {}).items():
+        print(f"changed at load: {name} ({why})", file=out)
     spec = engine.config.speculative
     if spec.method:
         adapt = "adapted per sequence to its acceptance" if spec.adaptive else "fixed"

@@ -77,20 +77,30 @@ class DeepseekLayer:
     moe: MoeWeights | None = None
 
 
-def _kv_b(w: dict[str, Any], p: str, spec: DeepseekSpec) -> Any:
+def _kv_b(w: dict[str, Any], p: str, spec: DeepseekSpec, notes: dict[str, str]) -> Any:
     """``kv_b_proj [H * (Dn + Dv), R]``; a GGUF file's split ``k_b_proj [H, R, Dn]`` (transposed,
     llama.cpp's converter) and ``v_b_proj [H, Dv, R]`` are joined back per head, once.
 
-    The converter quantizes ``v_b_proj`` (rows of ``R``) but not ``k_b_proj`` (rows of ``Dn``,
-    rarely whole blocks), so a quantized half is decoded and the join is f32: ``mla_attention``
-    reads ``kv_b_proj`` whole in f32 anyway (its ``W_UK`` / ``W_UV``), so nothing is lost."""
+    A quantized ``kv_b_proj`` stays quantized when each head's ``Dn + Dv`` rows start on a
+    scale-block boundary (the kernels split it per head); otherwise it is dequantized here, once,
+    and ``notes`` (name -> why, for ``--explain``) says so, as vLLM does. The converter
+    quantizes ``v_b_proj`` (rows of ``R``) but not ``k_b_proj`` (rows of ``Dn``, rarely whole
+    blocks), so a quantized half of a split pair is decoded and the join is f32."""
+    m = spec.mla
     if not spec.kv_b_split:
-        return w[p + "self_attn.kv_b_proj.weight"]
+        name = p + "self_attn.kv_b_proj.weight"
+        kv_b = w[name]
+        if isinstance(kv_b, QuantizedTensor) and (m.qk_nope_head_dim + m.v_head_dim) % kv_b.block_shape[0]:
+            notes[name] = (f"{kv_b.fmt} scale blocks of {kv_b.block_shape[0]} rows do not align with a head's "
+                           f"{m.qk_nope_head_dim + m.v_head_dim} rows: dequantized to f32 at load")
+            return dequantize(kv_b)
+        return kv_b
     k_b, v_b = w[p + "self_attn.k_b_proj.weight"], w[p + "self_attn.v_b_proj.weight"]
     if isinstance(k_b, QuantizedTensor) or isinstance(v_b, QuantizedTensor):
+        notes[p + "self_attn.k_b_proj.weight"] = "joined with v_b_proj into kv_b_proj: dequantized to f32 at load"
         k_b, v_b = (dequantize(t) if isinstance(t, QuantizedTensor) else t.float() for t in (k_b, v_b))
     joined = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [H, Dn + Dv, R]
-    return joined.reshape(-1, spec.mla.kv_lora_rank).contiguous()
+    return joined.reshape(-1, m.kv_lora_rank).contiguous()
 
 
 def _experts(w: dict[str, Any], p: str, spec: DeepseekSpec, proj: str) -> Any:
@@ -100,9 +110,9 @@ def _experts(w: dict[str, Any], p: str, spec: DeepseekSpec, proj: str) -> Any:
     return stack_weights([w[f"{p}mlp.experts.{e}.{proj}.weight"] for e in range(spec.num_experts)])
 
 
-def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:
+def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec, notes: dict[str, str]) -> DeepseekLayer:
     """Layer ``i``'s weights; an MTP layer (``i >= num_layers``) is MoE when the model has a
-    router, as ``DeepseekFamily.tensor_specs`` reads it."""
+    router, as ``DeepseekFamily.tensor_specs`` reads it. ``notes``: see :func:`_kv_b`."""
     p = f"model.layers.{i}."
     moe_layer = spec.moe_layers[i] if i < spec.num_layers else spec.router is not None
     a = p + "self_attn."
@@ -111,7 +121,7 @@ def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec) -> DeepseekLayer:
         mlp_norm=w[p + "post_attention_layernorm.weight"],
         kv_a=w[a + "kv_a_proj_with_mqa.weight"],
         kv_a_norm=w[a + "kv_a_layernorm.weight"],
-        kv_b=_kv_b(w, p, spec),
+        kv_b=_kv_b(w, p, spec, notes),
         o=w[a + "o_proj.weight"],
         q=w.get(a + "q_proj.weight"),
         q_a=w.get(a + "q_a_proj.weight"),
@@ -169,7 +179,9 @@ class DeepseekModel:
         self.embed = weights.get("model.embed_tokens.weight")  # first stage, and a tied last one
         self.lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
         self.norm = weights.get("model.norm.weight")
-        self.layers = [_layer(weights, i, spec) for i in mine]
+        self.load_notes: dict[str, str] = {}
+        """Weights changed at load, name -> why (``zllm run --explain`` prints them)."""
+        self.layers = [_layer(weights, i, spec, self.load_notes) for i in mine]
         # cos/sin rows over the decoupled rope dims [Dr/2], YaRN factor included.
         self.rope_table = RopeTable(*rope_inv_freq(m.qk_rope_head_dim, spec.rope), spec.context_length)
         self._rope = ops.variant("rope", spec.rope_variant)
@@ -185,7 +197,7 @@ class DeepseekModel:
         if not any(k.startswith(p) for k in weights):
             return None
         try:
-            layer = _layer(weights, self.spec.num_layers, self.spec)
+            layer = _layer(weights, self.spec.num_layers, self.spec, self.load_notes)
         except KeyError as e:
             raise CheckpointError(p.rstrip("."), f"the MTP layer lacks {e.args[0]!r}") from None
         return DeepseekMtp(self, mtp_weights(weights, p, layer, self.lm_head))
