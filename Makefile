@@ -15,6 +15,9 @@ DISTS := zllm-core zllm-backend-cpu zllm-models/llama zllm-models/deepseek zllm-
 GPU_DISTS := zllm-kernels-torch zllm-kernels-triton zllm-backend-cuda zllm-backend-rocm zllm-backend-metal
 CONFIG ?= configs/stories260k-hf.yaml
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`; each test file runs whole in one worker, so its
+# module-scoped servers and process groups are started once.
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test bench bench-serve bench-grammar bench-speculative bench-parallel bench-quant compat clean
 
@@ -41,7 +44,7 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest --junitxml=$(VENV)/junit.xml $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --junitxml=$(VENV)/junit.xml $(PYTEST_ARGS)
 	$(BIN)/python tools/check_verified.py $(VENV)/junit.xml compat/verified.toml
 
 BENCH_ARGS ?=

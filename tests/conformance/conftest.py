@@ -31,7 +31,7 @@ def install_plugin(site: Path, ep_name: str, module: str, source: str | None = N
     return site
 
 
-def conformance(*args: str, pythonpath: list[Path] = (), timeout: float = 240):
+def conformance(*args: str, pythonpath: list[Path] = (), timeout: float = 540):
     """``zllm conformance ARGS`` in a subprocess with extra ``PYTHONPATH`` entries."""
     env = {"PYTHONPATH": ":".join(map(str, pythonpath))} if pythonpath else None
     return zllm("conformance", *args, env=env, timeout=timeout)
