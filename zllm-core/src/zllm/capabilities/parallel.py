@@ -14,6 +14,7 @@ followed by :meth:`ParallelContext.all_reduce`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -108,6 +109,47 @@ class ParallelContext:
         if logits.shape[1] < width:  # the last ranks of a vocabulary that does not divide
             logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]))
         return self.all_gather_columns(logits)[:, :vocab_size]  # [S', V]
+
+    def prenorm_layers(
+        self,
+        ops: Any,
+        eps: float,
+        norms: Sequence[tuple[Any, Any]],
+        attention: Callable[[int, torch.Tensor], torch.Tensor],
+        mlp: Callable[[int, torch.Tensor], torch.Tensor],
+        embed: Callable[[], torch.Tensor],
+        hidden: tuple[torch.Tensor, torch.Tensor] | None,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This stage's pre-norm decoder layers, with each residual add fused into the next
+        norm (``h = x + r``, then ``norm(h)``) and this rank's partial sums all-reduced.
+
+        ``norms[i]`` is layer ``i``'s ``(attention norm, MLP norm)`` weights; ``attention(i, x)``
+        and ``mlp(i, x)`` map ``x`` f32 ``[T, C]`` to this rank's partial sum ``[T, C]``.
+        The first stage starts from ``embed()`` ``[T, C]``, a later one from the previous
+        stage's ``hidden`` (its last MLP output and residual). Returns that pair for the
+        next stage when this is not the last stage; otherwise the final residual stream
+        ``[S', C]`` at ``rows`` (int64 ``[S']``; only those rows of the last MLP are summed
+        over the ranks), or every row ``[T, C]`` when ``rows`` is None. The final norm and
+        ``lm_head`` are the family's.
+        """
+        if hidden is None:
+            residual = embed()  # [T, C]
+            x = ops.rms_norm(residual, norms[0][0], eps)  # a stage holds >= 1 layer
+        else:
+            x, residual = ops.add_rms_norm(hidden[0], hidden[1], norms[0][0], eps)
+        for i, (_, mlp_norm) in enumerate(norms):
+            x, residual = ops.add_rms_norm(self.all_reduce(attention(i, x)), residual, mlp_norm, eps)
+            out = mlp(i, x)  # [T, C], this rank's partial sum
+            if i + 1 < len(norms):
+                x, residual = ops.add_rms_norm(self.all_reduce(out), residual, norms[i + 1][0], eps)
+            elif not self.last_stage:
+                return self.all_reduce(out), residual  # [T, C] each, for the next stage
+            elif rows is None:
+                residual = self.all_reduce(out) + residual  # [T, C]
+            else:
+                residual = self.all_reduce(out[rows]) + residual[rows]  # [S', C]
+        return residual
 
     def split(self, size: int, dim: int = 0) -> Shard:
         """This rank's equal share of a dimension of ``size`` (``size`` divisible by ``tp_size``)."""

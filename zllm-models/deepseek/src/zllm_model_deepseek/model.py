@@ -223,24 +223,15 @@ class DeepseekModel:
         ops, eps = self.ops, self.spec.rms_norm_eps
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, Dr/2] each
         par = self.parallel
-        if hidden is None:
-            residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
-            x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # a stage holds >= 1 layer
-        else:
-            x, residual = ops.add_rms_norm(hidden[0], hidden[1], self.layers[0].attn_norm, eps)
-        for i, (layer, (latent_cache,)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, latent_cache[:, :, 0]))  # [T, C]
-            x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
-            ffn = self.ffn(layer, x)  # [T, C], this rank's partial sum
-            if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(par.all_reduce(ffn), residual, self.layers[i + 1].attn_norm, eps)
-            elif not par.last_stage:
-                return par.all_reduce(ffn), residual  # [T, C] each, for the next stage
-            elif return_hidden:
-                residual = par.all_reduce(ffn) + residual  # [T, C]
-            else:
-                residual = par.all_reduce(ffn[logits_indices]) + residual[logits_indices]  # [S', C]
-        x = ops.rms_norm(residual, self.norm, eps)  # [S', C], or [T, C] with return_hidden
+        out = par.prenorm_layers(
+            ops, eps, [(layer.attn_norm, layer.mlp_norm) for layer in self.layers],
+            lambda i, x: self.attention(self.layers[i], x, cos, sin, meta, kv_caches[i][0][:, :, 0]),
+            lambda i, x: self.ffn(self.layers[i], x),
+            lambda: par.embedding(ops, self.embed, token_ids, self.vocab_size), hidden,
+            None if return_hidden else logits_indices)
+        if isinstance(out, tuple):  # [T, C] each, for the next stage
+            return out
+        x = ops.rms_norm(out, self.norm, eps)  # [S', C], or [T, C] with return_hidden
         if return_hidden:
             return par.logits(ops, x[logits_indices], self.lm_head, self.vocab_size), x  # [S', V], [T, C]
         return par.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]

@@ -161,25 +161,14 @@ class LlamaModel:
         ``token_ids``, and a stage before the last returns that pair for the next stage."""
         ops, eps, par = self.ops, self.spec.rms_norm_eps, self.parallel
         cos, sin = self.rope_table.rows(positions, max(meta.context_lens))  # [T, D/2] each
-        # Pre-norm blocks with the residual add fused into the next norm: h_i = x_i + r_i,
-        # then norm(h_i). The last MLP output only needs its logits rows.
-        if hidden is None:
-            residual = par.embedding(ops, self.embed, token_ids, self.vocab_size)  # [T, C]
-            x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)  # a stage holds >= 1 layer
-        else:
-            x, residual = ops.add_rms_norm(hidden[0], hidden[1], self.layers[0].attn_norm, eps)
-        layers = zip(self.layers, self._windows, kv_caches, strict=True)
-        for i, (layer, window, kv_cache) in enumerate(layers):
-            attn = par.all_reduce(self.attention(layer, x, cos, sin, meta, kv_cache, window))  # [T, C]
-            x, residual = ops.add_rms_norm(attn, residual, layer.mlp_norm, eps)
-            mlp = self.mlp(layer, x)  # [T, C], this rank's partial sum
-            if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(par.all_reduce(mlp), residual, self.layers[i + 1].attn_norm, eps)
-            elif not par.last_stage:
-                return par.all_reduce(mlp), residual  # [T, C] each, for the next stage
-            else:  # only the logits rows are summed over the ranks
-                residual = par.all_reduce(mlp[logits_indices]) + residual[logits_indices]  # [S', C]
-        x = ops.rms_norm(residual, self.norm, eps)  # [S', C]
+        out = par.prenorm_layers(
+            ops, eps, [(layer.attn_norm, layer.mlp_norm) for layer in self.layers],
+            lambda i, x: self.attention(self.layers[i], x, cos, sin, meta, kv_caches[i], self._windows[i]),
+            lambda i, x: self.mlp(self.layers[i], x),
+            lambda: par.embedding(ops, self.embed, token_ids, self.vocab_size), hidden, logits_indices)
+        if isinstance(out, tuple):  # [T, C] each, for the next stage
+            return out
+        x = ops.rms_norm(out, self.norm, eps)  # [S', C]
         return self.parallel.logits(ops, x, self.lm_head, self.vocab_size)  # [S', V]
 
     def attention(self, layer: LlamaLayer, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache,
