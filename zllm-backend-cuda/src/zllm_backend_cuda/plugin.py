@@ -10,7 +10,7 @@ from zllm_kernels_torch.hooks import backend_hooks
 from zllm_kernels_torch.table import GPU_TORCH_CAPABILITIES, lazy_rows, torch_rows
 from zllm_kernels_triton import OPS
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 KERNELS = torch_rows(GPU_TORCH_CAPABILITIES) + lazy_rows("zllm_backend_cuda.kernels", OPS)
 
 zllm_backends, zllm_register_kernels = backend_hooks(
