@@ -59,9 +59,10 @@ from typing import Any
 
 from zllm.spec.errors import CheckpointError
 from zllm.weights.hf_quant.compressed_tensors import CT_FORMATS, plan_compressed_tensors
-from zllm.weights.hf_quant.fp4 import plan_modelopt, plan_mxfp4
+from zllm.weights.hf_quant.fp4 import plan_mxfp4
 from zllm.weights.hf_quant.fp8 import plan_fp8
 from zllm.weights.hf_quant.gptq_awq import plan_awq, plan_gptq
+from zllm.weights.hf_quant.modelopt import plan_modelopt
 from zllm.weights.hf_quant.plan import ACTIVATION_SCALE_REASON, AWQ_ORDER, Fold, PlanContext, QuantPlan, Reader, Stored
 
 __all__ = ["ACTIVATION_SCALE_REASON", "AWQ_ORDER", "CT_FORMATS", "METHODS", "Fold", "QuantPlan", "Reader", "Stored",

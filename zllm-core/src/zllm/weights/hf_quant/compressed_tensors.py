@@ -134,7 +134,7 @@ def _ct_int(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
         g = int(group_size)
         if k % g:
             raise ctx.error(name, f"group size {g} does not divide K = {k}")
-    elif strategy in ("channel", "tensor", "None"):
+    elif strategy in ("channel", "tensor", "None"):  # no strategy: compressed-tensors' default, tensor
         g = k
     else:
         raise ctx.config_error(f"int-quantized strategy {strategy!r} is not supported (tensor, channel, group are)")
