@@ -71,12 +71,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor, bias: torch.Te
         RuntimeError: the native library is unavailable (see :mod:`.native`).
         ValueError: a weight format the native kernels do not have.
     """
-    fmt: str | None
-    if isinstance(weight, QuantizedTensor):
-        fmt, w = weight.fmt, weight.data  # uint8 [N, K / 32 * block bytes]
-    else:
-        fmt, w = _DENSE_FORMATS.get(weight.dtype), weight
+    fmt = weight.fmt if isinstance(weight, QuantizedTensor) else _DENSE_FORMATS.get(weight.dtype)
     fn = _BOUND.get(fmt or "") or _bind(fmt, weight)
+    # uint8 [N, K / block size * block bytes] for the block formats
+    w = weight.data if isinstance(weight, QuantizedTensor) else weight
     n, k = weight.shape
     t, xk = x.shape
     assert xk == k and x.dtype == torch.float32 and (bias is None or tuple(bias.shape) == (n,)), (
