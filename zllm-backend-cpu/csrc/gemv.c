@@ -8,7 +8,8 @@
  * nibble and weight j + 16 in its high nibble, w = d * (q - 8); Q4_1: f16 d + f16 m + the
  * Q4_0 nibbles, w = d * q + m; Q5_0: f16 d + a little-endian uint32 qh whose bit i is bit 4
  * of weight i + the Q4_0 nibbles as the low 4 bits, w = d * (q - 16); Q5_1: f16 d + f16 m +
- * qh + nibbles, w = d * q + m).
+ * qh + nibbles, w = d * q + m). The GGUF k-quants' row kernels (Q2_K .. Q6_K) are in
+ * kquant_gemv.c, under this file's contract.
  *
  * The block formats take integer dot products: converting every int8 / nibble to f32 made the loop
  * instruction-bound (~12 cycles a Q8_0 block, 8.4 GB/s on one core). Instead x is quantized

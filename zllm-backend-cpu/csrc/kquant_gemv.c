@@ -28,22 +28,27 @@
  *     128 n + 32 g + l is (qs[32 n + l] >> 2 g) & 3; w = (d sc_s) q - (dmin m_s).
  *
  * Products, per block j of 32 weights and token (s_b: the token's scale of that block):
- *   Q4_K / Q5_K: P = sum q_i q_x,i and M = sum m_j q_x,i in 8 int32 lanes (4 products a lane,
- *     |P lane| <= 4 * 31 * 32767 < 2^22, |M lane| <= 4 * 63 * 32767 < 2^23: exact, also as f32);
- *     a += (d sc_j s_b) P, then a -= (dmin s_b) M (one FMA each);
+ *   Q4_K / Q5_K: P = sum q_i q_x,i in 8 int32 lanes (4 products a lane, |lane| <= 4 * 31 *
+ *     32767 < 2^22: exact, also as f32); a += fl(d sc_j s_b) P (one FMA);
  *   Q6_K / Q3_K / Q2_K: the sub-block scales folded into the int16 weights (|sc_s q| <= 4096,
  *     128, 45): P = sum sc_s q_i q_x,i, exact in int32; Q3_K / Q2_K lanes stay below 2^24 and
  *     convert to f32 exactly, Q6_K lanes reach 4 * 4096 * 32767 < 2^29 and are rounded once
- *     where converted (2^-24 relative, as the scale product d s_b); a += (d s_b) P; Q2_K then
- *     M = sum m_s q_x,i (exact) and a -= (dmin s_b) M.
+ *     where converted (2^-24 relative, as the scale product d s_b); a += fl(d s_b) P.
+ * The mins (Q4_K / Q5_K per block of 32, Q2_K per sub-block of 16): the token's exact integer
+ * sum X_g of q_x over each group g depends on no weight, so it is taken once per call of the
+ * rows function (x_sums) as xm_g = fl(s_b X_g); per super-block and token the 8 (Q2_K: 16)
+ * products dmin m_g * xm_g go into an 8-lane accumulator am lane by lane (one FMA per 8), which
+ * is subtracted at the end. Q4_K's mins thus cost one FMA per 256 weights instead of two madds,
+ * a convert and an FMA per block (Q4_K measured 1.6x faster on one core).
  * Against the exact product with the dequantized weights the error is gemv.c's bound,
  * sum over blocks b of (s_b / 2) * sum_(i in b) |w_i|, plus f32 rounding; Q4_K / Q5_K / Q2_K
  * round the scale and min parts separately (as gemv.c's Q4_1 / Q5_1), so their rounding is
  * relative to sum (|d sc q| + |dmin m|) |x| rather than sum |w| |x|.
  *
- * Order: a token's output depends only on its own row of x, the weight row, the format and K:
- * every block goes into accumulator (block index) % 2 in ascending order, whatever T, N, the
- * row's position or the thread split (batch-invariant). Up to TOKENS_MAX tokens share one
+ * Order: per super-block in ascending order, the min products into am, then block j's scaled
+ * P into a[j % 2]; at the end hsum((a0 + a1) - am) + bias. A token's output depends only on its
+ * own row of x (its quantization and sums), the weight row, the format and K, whatever T, N,
+ * the row's position or the thread split (batch-invariant). Up to TOKENS_MAX tokens share one
  * unpacking of a weight block (the rows functions take tokens in pairs, as gemv.c's).
  */
 #include "common.h"

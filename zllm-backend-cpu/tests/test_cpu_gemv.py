@@ -237,6 +237,17 @@ def test_kquant_gemv_is_within_the_bound_of_the_gguf_package_dequantized_weights
     assert_within_quantization_bound(kernels.gemv(x, w, None), x, w, None)
 
 
+@pytest.mark.parametrize("fmt", ["q2_k", "q4_k"])
+def test_kquant_min_sums_of_many_tokens_past_the_stack_buffer_give_each_row_its_solo_bits(fmt):
+    # T * K / 32 (Q2_K: / 16) sums of x above kquant_gemv.c's 2048-float stack buffer: from malloc
+    g = torch.Generator().manual_seed(6)
+    t, n, k = 40, 9, 2048
+    w, x = make_weight(fmt, n, k, g), torch.randn(t, k, generator=g)
+    got = kernels.gemv(x, w, None)
+    assert torch.equal(got, torch.cat([kernels.gemv(x[i:i + 1], w, None) for i in range(t)]))
+    assert_within_quantization_bound(got, x, w, None)
+
+
 @settings(max_examples=25, deadline=None)
 @given(fmt=st.sampled_from(FORMATS), n=st.sampled_from([1, 7, 64, 333, 1500]), k_blocks=st.sampled_from([1, 3, 24]),
        bias=st.booleans(), seed=st.integers(0, 2**16))
