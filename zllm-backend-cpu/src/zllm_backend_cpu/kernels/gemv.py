@@ -13,13 +13,12 @@ int16 per block of 32 in-features (``s_b = max|x_b| / 32767``, ``q = round(x / s
 of zeros gets ``s_b = 0``) and each weight block of 32 takes an exact integer dot product
 (int8 / 2- to 6-bit weights times int16 activations), scaled by ``d_w * s_b`` in f32; Q4_1 and
 Q5_1 add ``m_w * s_b`` times the block's integer sum of ``q``. The k-quants take the same
-products with their sub-block scales (Q4_K/Q5_K: ``d * sc`` per block of 32 in f32;
-Q6_K/Q3_K/Q2_K: the integer scales of their 16-weight sub-blocks folded into the int16
-weights) and their mins (Q4_K/Q5_K/Q2_K: ``dmin * m`` times ``s_b`` times the integer sum of
-``q`` over the sub-block, computed once per call). Half the instructions of converting every
-weight to f32, which made these formats instruction-bound. Up to :data:`GEMV_MAX_TOKENS` tokens
-share one read of the weight from memory; more tokens (prefill) take the torch kernels of
-:mod:`.linear`.
+products with their sub-block scales (``d * sc`` in f32 per block of 32 for Q4_K/Q5_K, per
+16-weight half block for Q6_K/Q3_K/Q2_K) and their mins (Q4_K/Q5_K/Q2_K: ``dmin * m`` times
+``s_b`` times the integer sum of ``q`` over the sub-block, computed once per call). Half the
+instructions of converting every weight to f32, which made these formats instruction-bound.
+Up to :data:`GEMV_MAX_TOKENS` tokens share one read of the weight from memory; more tokens
+(prefill) take the torch kernels of :mod:`.linear`.
 
 Numerics: dense formats: f32 products of the exactly converted weights, summed in f32 — only
 the summation order differs from the f32 reference, so results agree with it to ~1e-6
@@ -29,8 +28,7 @@ relative. Block formats: against the exact product with the dequantized weights 
 
 (``|x_i - s_b q_i| <= s_b / 2``; the f32 rounding is that of ``x / s_b``, of ``d_w * s_b`` and
 of the sum over the ``K / 32`` blocks; for Q4_1/Q5_1/Q4_K/Q5_K/Q2_K, whose scale and min parts
-are rounded apart, relative to ``sum (|d_w q| + |m_w|) |x|``; Q6_K's integer block sums, up to
-2^29, are rounded once more where converted to f32), about 1e-5 relative for
+are rounded apart, relative to ``sum (|d_w q| + |m_w|) |x|``), about 1e-5 relative for
 activations of similar magnitudes within a block. A NaN or infinite activation makes every
 quantized output of its token NaN. Each output element is reduced in one fixed order that
 depends only on the format and ``K``, and ``x``'s quantization only on its own row
