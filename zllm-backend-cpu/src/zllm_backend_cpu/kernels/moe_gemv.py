@@ -24,9 +24,10 @@ library loads.
 
 Numerics: those of ``csrc/gemv.c`` for each product (dense formats: f32 products, ~1e-6 from
 the reference; block formats, k-quants included: ``x`` and the expert's hidden row ``h``
-quantized to int16 per block of 32, ~1e-5 relative); every value is reduced in a fixed order that depends only on the
-shapes and formats, and each token's activations are quantized from its own rows, so an output
-row is bit-identical whatever else is in the call and whatever the thread count:
+quantized to int16 per block of 32, ~1e-5 relative); every value is reduced in a fixed order
+that depends only on the shapes and formats, and each token's activations are quantized from
+its own rows, so an output row is bit-identical whatever else is in the call and whatever the
+thread count:
 :func:`moe_gemv_invariant` runs the native kernel for every ``T``.
 """
 
@@ -186,9 +187,9 @@ def _moe_native(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConf
 def moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
              up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
              shared: SharedExperts | None = None) -> torch.Tensor:
-    """The MoE FFN by the native kernel (module doc), weights of a format it lacks by the per-expert loop; arguments as
-    :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError when the native library is
-    unavailable (the plugin registers this kernel only when it loads)."""
+    """The MoE FFN by the native kernel (module doc), weights of a format it lacks by the
+    per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError
+    when the native library is unavailable (the plugin registers this kernel only when it loads)."""
     return _moe_native(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared,
                        invariant=False)
 
