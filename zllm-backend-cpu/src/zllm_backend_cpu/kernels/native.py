@@ -29,7 +29,7 @@ from pathlib import Path
 import torch  # noqa: F401  (imported first; see the module doc)
 
 LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_native.so"
-ABI_VERSION = 6  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
+ABI_VERSION = 7  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
 
 #: ctypes argument types: pointers (``tensor.data_ptr()`` or None), 64-bit sizes and strides,
 #: C ints and floats.
