@@ -18,7 +18,9 @@ Kernel layouts (``zllm.weights.formats``; every part contiguous, stays as loaded
 Each program loads the bytes of its ``[BLOCK_N, BLOCK_K]`` weight tile and their scales
 (every element reads its own group's scale: the repeated loads hit the same cache lines),
 forms the f32 tile — one rounding of quant times scale, as the reference ``zllm.domain.quant_hf``
-— and accumulates ``x @ w^T`` with ``tl.dot`` in f32.
+— and accumulates ``x @ w^T`` with ``tl.dot`` in f32. The tile decode is one ``@triton.jit``
+function, :func:`quant_weight_tile`, which the fused MoE (:mod:`.moe`) calls on one expert of
+a stack ``[E, N, K]`` (every part with the expert first; NVFP4's ``global_scale`` ``[E]``).
 
 Decoding, exact, from the bits (no ``exp2``, whose GPU approximation need not be exact): E2M1
 (``m = code & 7``: ``m / 2`` below 2, else the f32 with exponent ``(m >> 1) - 1`` and mantissa
