@@ -227,7 +227,8 @@ from zllm_kernels_triton.moe import _grouped_gemm_kernel as kernel
 
 targets = (("cuda", 90, 32), ("hip", "gfx942", 64))  # H100/H200, MI300
 for (backend, arch, warp), consts in itertools.product(targets, json.loads(sys.argv[1])):
-    consts.update(FP8_NATIVE=backend == "cuda", PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+    # the smallest tl.dot tiles: the same code paths as the backends' 16 x 64 x 128, five times faster to build
+    consts.update(FP8_NATIVE=backend == "cuda", PRECISION="ieee", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
     pointers = {"pairs_ptr": "*i32", "block_experts_ptr": "*i32"}
     for name in ("w1", "w2"):  # scales: f32 (FP8 blocks, int groups) or E8M0 / E4M3 bytes (MXFP4, NVFP4)
         scales = "*fp32" if consts[f"{name.upper()}_FMT"] in (0, 1, 2) else "*u8"
