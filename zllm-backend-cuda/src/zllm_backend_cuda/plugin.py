@@ -15,4 +15,5 @@ KERNELS = torch_rows(GPU_TORCH_CAPABILITIES) + lazy_rows("zllm_backend_cuda.kern
 
 zllm_backends, zllm_register_kernels = backend_hooks(
     "cuda", "zllm_backend_cuda.backend:CudaBackend", KERNELS, priority=20, registered_by="zllm-backend-cuda",
-    description="NVIDIA GPUs: Triton kernels + cuBLAS GEMMs; weights f32/f16/bf16/Q8_0")
+    description="NVIDIA GPUs: Triton kernels + cuBLAS GEMMs; weights f32/f16/bf16/Q8_0; "
+                "FP8, INT4/INT8 groups, MXFP4, NVFP4 in linear and the MoE experts")
