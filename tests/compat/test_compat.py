@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zllm.compat import FORMAT_AXIS, compute_matrix, find_verified_file, load_verified, render
+from zllm.compat import FORMAT_AXIS, column_capabilities, compute_matrix, find_verified_file, load_verified, render
 from zllm.plugins.host import PluginHost
 from zllm.spec.errors import ConfigError
 
@@ -190,3 +190,11 @@ def test_cli_verified_option_names_the_file_and_rejects_a_missing_one(tmp_path):
         [str(ZLLM), "compat", "--verified", str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "nope.toml: no such file" in bad.stderr
+
+
+def test_a_quantized_hf_column_needs_a_dense_embedding_and_a_gguf_column_the_quantized_one():
+    family = PluginHost().families["llama"].load()
+    hf = {str(c) for c in column_capabilities(family, "hf-fp8", "fp8_e4m3")}
+    assert "embedding[bf16]" in hf and "embedding[fp8_e4m3]" not in hf and "linear[fp8_e4m3]" in hf
+    gguf = {str(c) for c in column_capabilities(family, "gguf-Q8_0", "q8_0")}
+    assert "embedding[q8_0]" in gguf and "linear[q8_0]" in gguf
