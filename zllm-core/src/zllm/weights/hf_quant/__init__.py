@@ -107,4 +107,4 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
                                                 f"supported: {', '.join(METHODS)}")
     ctx = PlanContext(config_file, qconfig, entries, read)
     METHODS[method](ctx)
-    return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes))
+    return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes), ctx.kv_cache)
