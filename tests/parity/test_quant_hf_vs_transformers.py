@@ -254,7 +254,7 @@ def test_w8a8_explain_says_the_activations_stay_f32_not_int8(tmp_path, dense, ca
 @pytest.mark.parametrize(("case", "scales", "scheme"), [
     ("modelopt-fp8-kv", ("k_proj.k_scale", "v_proj.v_scale"), "kv_cache_scheme: float8 per tensor"),
     ("ct-fp8-naive-kv", ("k_scale", "v_scale"), "kv_cache_scheme: float8 per tensor"),
-])
+], ids=["modelopt-fp8-kv", "ct-fp8-naive-kv"])
 def test_fp8_kv_cache_scales_are_skipped_and_explain_says_the_cache_keeps_its_configured_dtype(
         tmp_path, dense, capsys, case, scales, scheme):
     from zllm.cli.run import _explain

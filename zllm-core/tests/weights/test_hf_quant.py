@@ -300,7 +300,7 @@ def _kv_checkpoint(tmp_path: Path, qconfig: dict, scales: dict[str, torch.Tensor
     ({"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
       "kv_cache_scheme": "static"},
      {"k_scale": torch.tensor([0.5]), "v_scale": torch.tensor([0.25])}, "kv_cache_scheme: static"),
-])
+], ids=["modelopt-kv_cache_quant_algo", "modelopt-kv_cache_scheme", "compressed-tensors-attn_head", "autofp8-static"])
 def test_fp8_kv_cache_scales_are_skipped_as_known_when_the_config_declares_the_cache(tmp_path, qconfig, scales,
                                                                                       scheme):
     ckpt = open_checkpoint(_kv_checkpoint(tmp_path, qconfig, {_ATTN + k: v for k, v in scales.items()}))
@@ -328,7 +328,7 @@ def test_kv_scales_stay_unused_strays_without_a_declared_cache_or_off_a_module_w
 @pytest.mark.parametrize(("scale", "what"), [
     (torch.ones(4, 4), "KV-cache scale has shape [4, 4]; expected one value per tensor or one per KV head"),
     (torch.tensor(1, dtype=torch.int32), "KV-cache scale stored as I32; expected F32 or F16 or BF16"),
-])
+], ids=["a-scale-per-element", "int32"])
 def test_a_bad_kv_cache_scale_is_named(tmp_path, scale, what):
     path = _kv_checkpoint(tmp_path, {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
                           {_ATTN + "k_proj.k_scale": scale})
