@@ -176,20 +176,32 @@ def write_modelopt_nvfp4(src: Path, dst: Path) -> StateDict:
     return _rewrite(src, dst, qconfig, quantize)
 
 
-def write_modelopt_fp8(src: Path, dst: Path) -> StateDict:
+def _kv_scales(prefix: str, out: StateDict, names: tuple[str, str]) -> None:
+    """Calibrated FP8 KV-cache scales (one F32 value each) beside a decoder layer's ``k_proj``,
+    stored under ``names`` relative to its attention module (``prefix`` is ``...self_attn.k_proj.``)."""
+    if prefix.endswith(".self_attn.k_proj."):
+        attn = prefix.removesuffix("k_proj.")
+        out[attn + names[0]], out[attn + names[1]] = torch.tensor(0.0625), torch.tensor(0.03125)
+
+
+def write_modelopt_fp8(src: Path, dst: Path, kv_cache: bool = False) -> StateDict:
     """modelopt FP8 as its unified HF export writes config.json (``convert_hf_quant_config_format``):
-    ``weight`` F8_E4M3 ``[N, K]``, ``weight_scale`` F32 scalar (per tensor), ``input_scale`` F32 scalar."""
+    ``weight`` F8_E4M3 ``[N, K]``, ``weight_scale`` F32 scalar (per tensor), ``input_scale`` F32 scalar.
+    ``kv_cache``: exported with ``kv_cache_quant_algo: FP8`` (restated in config.json as an FP8
+    ``kv_cache_scheme``): each layer's ``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale``."""
     def quantize(prefix: str, w: torch.Tensor, out: StateDict) -> torch.Tensor:
         q = quantizers.quantize_fp8_e4m3(w, None)
         out[prefix + "weight"] = q.parts["qweight"].view(torch.float8_e4m3fn)
         out[prefix + "weight_scale"] = q.parts["scale"].reshape(())
         out[prefix + "input_scale"] = torch.tensor(0.05)
+        if kv_cache:
+            _kv_scales(prefix, out, ("k_proj.k_scale", "v_proj.v_scale"))
         return dequantize(q)
 
     fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
     qconfig = {"config_groups": {"group_0": {"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}},
                "ignore": ["lm_head"], "quant_algo": "FP8", "producer": {"name": "modelopt", "version": "0.37.0"},
-               "quant_method": "modelopt"}
+               "quant_method": "modelopt", **({"kv_cache_scheme": fp8} if kv_cache else {})}
     return _rewrite(src, dst, qconfig, quantize)
 
 
@@ -199,7 +211,10 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32)
     int4, asymmetric groups of ``group``), ``w8a16`` (pack-quantized int8, symmetric per channel),
     ``w8a8`` (int-quantized: int8 weights per channel, activations int8 per token, dynamic),
     ``w8a8-static`` (int-quantized: one weight scale per tensor, a static per-tensor
-    ``input_scale``), ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``."""
+    ``input_scale``), ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``,
+    ``fp8-naive-kv`` (FP8 weights per channel, weight-only: compressed-tensors' format for that is
+    ``naive-quantized``; with an FP8 ``kv_cache_scheme`` and each layer's ``self_attn.k_scale`` /
+    ``self_attn.v_scale``, as its KV-cache quantization registers them on the attention module)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
@@ -215,6 +230,7 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32)
         "w8a16": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
         "fp8-block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 32]),
                       "float-quantized"),
+        "fp8-naive-kv": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "naive-quantized"),
         "nvfp4": (dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16),
                   "nvfp4-pack-quantized"),
         "mxfp4": (dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
@@ -238,6 +254,10 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32)
         elif scheme == "fp8-block":
             qt = quantizers.quantize_fp8_e4m3(w, (32, 32))
             state = {"weight": w, "weight_scale": qt.parts["scale"]}
+        elif scheme == "fp8-naive-kv":
+            qt = quantizers.quantize_fp8_e4m3(w, (1, w.shape[1]))
+            state = {"weight": w, "weight_scale": qt.parts["scale"]}
+            _kv_scales(prefix, out, ("k_scale", "v_scale"))
         elif scheme == "nvfp4":
             qt = quantizers.quantize_nvfp4(w)
             state = {"weight": w, "weight_scale": qt.parts["scales"].view(torch.float8_e4m3fn).float(),
@@ -256,8 +276,10 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32)
                                  global_scale=compressed["weight_global_scale"], dtype=torch.float32)
         return compressor.decompress(dict(compressed), qscheme)["weight"].float()
 
+    kv_cache = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
     qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, format=fmt, quantization_status="compressed",
-                                 ignore=["lm_head"]).model_dump(mode="json")
+                                 ignore=["lm_head"], kv_cache_scheme=kv_cache if scheme.endswith("-kv") else None,
+                                 ).model_dump(mode="json")
     return _rewrite(src, dst, qconfig, quantize)
 
 

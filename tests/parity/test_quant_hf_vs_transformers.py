@@ -6,13 +6,17 @@ Oracle: transformers in f32 on the dequantized weights (the f32 reference of eac
 checked bit for bit against the defining libraries in ``test_quant_hf_oracle.py``): logits
 within 1e-4, greedy tokens identical. Where transformers itself loads the quantized directory
 on a CPU (it dequantizes: transformers ``fp8`` with ``weight_scale_inv``, compressed-tensors
-``float-quantized``, symmetric ``pack-quantized`` int8 and, with ``run_compressed=False``,
+``float-quantized``, ``naive-quantized`` FP8, symmetric ``pack-quantized`` int8 and, with ``run_compressed=False``,
 ``int-quantized`` W8A8, which zllm runs weight-only with f32 activations), zllm is compared with
 that too. transformers cannot load the others here: GPTQ needs optimum, AWQ gptqmodel, modelopt
 (FP8, NVFP4) is no transformers method, compressed-tensors int4 with zero points fails on its
 packed zero-point shape, NVFP4/MXFP4 decompress to bf16 and refuse an f32 model; AutoFP8-style
 ``weight_scale`` files under ``quant_method: fp8`` load without those scales applied
 (transformers reads ``weight_scale_inv``).
+
+Checkpoints whose config declares an FP8 KV cache (modelopt ``kv_cache_quant_algo: FP8``,
+compressed-tensors ``kv_cache_scheme``) carry K/V scales that neither zllm nor the oracle applies:
+the cache stays in ``runtime.kv_cache.dtype``, as vLLM keeps it with ``kv_cache_dtype: auto``.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ WRITERS = {
     "awq-int4": lambda src, dst: qc.write_awq(src, dst, 32),
     "modelopt-nvfp4": qc.write_modelopt_nvfp4,
     "modelopt-fp8": qc.write_modelopt_fp8,
+    "modelopt-fp8-kv": lambda src, dst: qc.write_modelopt_fp8(src, dst, kv_cache=True),
     "ct-w8a8": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a8"),
     "ct-w8a8-static": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a8-static"),
     "ct-w4a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w4a16"),
     "ct-w8a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a16"),
     "ct-fp8-block": lambda src, dst: qc.write_compressed_tensors(src, dst, "fp8-block"),
+    "ct-fp8-naive-kv": lambda src, dst: qc.write_compressed_tensors(src, dst, "fp8-naive-kv"),
     "ct-nvfp4": lambda src, dst: qc.write_compressed_tensors(src, dst, "nvfp4"),
     "ct-mxfp4": lambda src, dst: qc.write_compressed_tensors(src, dst, "mxfp4"),
 }
@@ -51,13 +57,16 @@ FORMAT_OF = {"fp8-block": "fp8_e4m3", "fp8-tensor": "fp8_e4m3", "fp8-autofp8": "
              "gptq-int4-v2-desc-act": "int4_g", "gptq-int8": "int8_g", "awq-int4": "int4_g",
              "modelopt-nvfp4": "nvfp4", "ct-w4a16": "int4_g", "ct-w8a16": "int8_g", "ct-fp8-block": "fp8_e4m3",
              "ct-nvfp4": "nvfp4", "ct-mxfp4": "mxfp4", "modelopt-fp8": "fp8_e4m3", "ct-w8a8": "int8_g",
-             "ct-w8a8-static": "int8_g"}
+             "ct-w8a8-static": "int8_g", "modelopt-fp8-kv": "fp8_e4m3", "ct-fp8-naive-kv": "fp8_e4m3"}
 # case -> from_pretrained arguments. W8A8: transformers' default keeps the layers compressed and
 # quantizes their activations to int8 (the W8A8 semantics, off from weight-only by ~0.7 in these
 # logits); run_compressed=False decompresses the weights and runs f32 activations, as zllm does.
 _DECOMPRESSED = {"quantization_config": transformers.CompressedTensorsConfig(run_compressed=False)}
+# ct-fp8-naive-kv: transformers decompresses the naive-quantized weights and, like zllm, leaves the
+# KV-cache scales unused (its load report lists them as unexpected keys).
 TRANSFORMERS_LOADS: dict[str, dict] = {"fp8-block": {}, "fp8-tensor": {}, "ct-w8a16": {}, "ct-fp8-block": {},
-                                       "ct-w8a8": _DECOMPRESSED, "ct-w8a8-static": _DECOMPRESSED}
+                                       "ct-w8a8": _DECOMPRESSED, "ct-w8a8-static": _DECOMPRESSED,
+                                       "ct-fp8-naive-kv": {}}
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +249,24 @@ def test_w8a8_explain_says_the_activations_stay_f32_not_int8(tmp_path, dense, ca
         "quantization note: activations kept in f32, not quantized to int8 per token (dynamic) as the "
         "checkpoint's config says: its weights run weight-only (dequantized-weight semantics, not the "
         "quantized-activation matmul)"]
+
+
+@pytest.mark.parametrize(("case", "scales", "scheme"), [
+    ("modelopt-fp8-kv", ("k_proj.k_scale", "v_proj.v_scale"), "kv_cache_scheme: float8 per tensor"),
+    ("ct-fp8-naive-kv", ("k_scale", "v_scale"), "kv_cache_scheme: float8 per tensor"),
+], ids=["modelopt-fp8-kv", "ct-fp8-naive-kv"])
+def test_fp8_kv_cache_scales_are_skipped_and_explain_says_the_cache_keeps_its_configured_dtype(
+        tmp_path, dense, capsys, case, scales, scheme):
+    from zllm.cli.run import _explain
+
+    quantized = tmp_path / case
+    WRITERS[case](dense, quantized)
+    _explain(zllm.Engine.from_config(write_config(tmp_path, quantized, runtime={"kv_cache": {"dtype": "f16"}})))
+    lines = capsys.readouterr().err.splitlines()
+    assert (f"quantization note: the checkpoint's FP8 KV-cache scales ({scheme}) are not applied: the KV cache is "
+            "kept in f16 (runtime.kv_cache.dtype), as vLLM keeps it with kv_cache_dtype auto; an FP8 KV cache is "
+            "not supported") in lines
+    skipped = [line for line in lines if line.startswith("skipped tensor: ") and "KV-cache" in line]
+    assert skipped == [f"skipped tensor: model.layers.{i}.self_attn.{s} (FP8 KV-cache scale: not applied, the KV "
+                       "cache is kept in runtime.kv_cache.dtype (as vLLM does with kv_cache_dtype auto))"
+                       for i in range(2) for s in scales]

@@ -130,11 +130,19 @@ def _gptq(tmp_path: Path, drop: str | None = None, **changes) -> Path:
     ({"quant_method": "fbgemm_fp8"}, "'fbgemm_fp8'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "weird": 1}, "unknown field 'weird'"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version 'exllama' is not supported; supported: gemm"),
-    ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"}}}},
-     "format 'naive-quantized' (config_groups.g) is not supported; supported: float-quantized, int-quantized, "),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}},
+     "format 'marlin-24' (config_groups.g) is not supported; supported: float-quantized, int-quantized, "
+     "naive-quantized, "),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
      "quant_algo 'W4A8_AWQ' is not supported; supported: FP8, NVFP4"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
+     "kv_cache_quant_algo 'NVFP4' is not supported; supported: 'FP8' or float 8-bit QuantizationArgs"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+      "kv_cache_scheme": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}},
+     "kv_cache_scheme int 8-bit (strategy 'tensor', symmetric True) is not supported: an FP8 KV cache"),
+    ({"quant_method": "fp8", "kv_cache_scheme": "dynamic"},
+     "kv_cache_scheme 'dynamic' is not supported; supported: 'static' or "),
 ])
 def test_unknown_method_format_or_field_names_it_and_lists_what_is_supported(tmp_path, qconfig, named):
     path = _write(tmp_path, {"x.weight": torch.zeros(2, 2)}, qconfig)
@@ -257,3 +265,85 @@ def test_compressed_tensors_act_order_g_idx_becomes_a_column_permutation(tmp_pat
     assert w.parts["perm"].tolist() == [1, 3, 5, 7, 0, 2, 4, 6]
     expected = torch.tensor([[(2.0 if g_idx[k] else 1.0) * (Q[n][k] - 8) for k in range(K)] for n in range(N)])
     assert torch.equal(dequantize(w), expected)
+
+
+# ------------------------------------------------------------------------- FP8 KV-cache scales
+
+
+_ATTN = "model.layers.0.self_attn."
+_FP8_KV_CACHE = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+
+
+_PROJ = {_ATTN + p + ".weight": TensorSpec((4, 4)) for p in ("q_proj", "k_proj", "v_proj")}
+
+
+def _kv_checkpoint(tmp_path: Path, qconfig: dict, scales: dict[str, torch.Tensor]) -> Path:
+    """A layer whose attention module holds dense q/k/v projections (every method leaves them as
+    they are) and ``scales``."""
+    return _write(tmp_path, {**{name: torch.zeros(4, 4) for name in _PROJ}, **scales}, qconfig)
+
+
+@pytest.mark.parametrize(("qconfig", "scales", "scheme"), [
+    # modelopt's hf_quant_config.json (and older config.json): scales on k_proj / v_proj.
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
+     {"k_proj.k_scale": torch.tensor(0.5), "v_proj.v_scale": torch.tensor(0.25)}, "kv_cache_quant_algo: FP8"),
+    # modelopt's newer config.json restates it as QuantizationArgs.
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": _FP8_KV_CACHE},
+     {"k_proj.k_scale": torch.tensor(0.5), "v_proj.v_scale": torch.tensor(0.25)},
+     "kv_cache_scheme: float8 per tensor"),
+    # compressed-tensors attn_head: one scale per KV head, on the attention module.
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+      "kv_cache_scheme": {**_FP8_KV_CACHE, "strategy": "attn_head"}},
+     {"k_scale": torch.ones(2, 1, 1), "v_scale": torch.ones(2, 1, 1, dtype=torch.bfloat16)},
+     "kv_cache_scheme: float8 per KV head"),
+    # AutoFP8: kv_cache_scheme "static", scales moved from k_proj / v_proj onto the attention module.
+    ({"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
+      "kv_cache_scheme": "static"},
+     {"k_scale": torch.tensor([0.5]), "v_scale": torch.tensor([0.25])}, "kv_cache_scheme: static"),
+], ids=["modelopt-kv_cache_quant_algo", "modelopt-kv_cache_scheme", "compressed-tensors-attn_head", "autofp8-static"])
+def test_fp8_kv_cache_scales_are_skipped_as_known_when_the_config_declares_the_cache(tmp_path, qconfig, scales,
+                                                                                      scheme):
+    ckpt = open_checkpoint(_kv_checkpoint(tmp_path, qconfig, {_ATTN + k: v for k, v in scales.items()}))
+    assert sorted(ckpt.tensor_names()) == sorted(_PROJ)
+    assert sorted(ckpt.skipped_tensors) == sorted(_ATTN + k for k in scales)
+    assert all(why.startswith("FP8 KV-cache scale: not applied") for why in ckpt.skipped_tensors.values())
+    assert ckpt.kv_cache_quantization == scheme
+    load_weights(ckpt, _PROJ)
+
+
+def test_kv_scales_stay_unused_strays_without_a_declared_cache_or_off_a_module_with_weights(tmp_path):
+    fp8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    ckpt = open_checkpoint(_kv_checkpoint(tmp_path / "a", fp8, {_ATTN + "k_scale": torch.tensor(0.5)}))
+    assert ckpt.kv_cache_quantization is None and ckpt.skipped_tensors == {}
+    with pytest.raises(TensorError, match=r"'model.layers.0.self_attn.k_scale': unused"):
+        load_weights(ckpt, _PROJ)
+    # The config declares the cache, but "model.layers.1.self_attn" holds nothing else.
+    ckpt = open_checkpoint(_kv_checkpoint(tmp_path / "b", {**fp8, "kv_cache_quant_algo": "FP8"},
+                                          {"model.layers.1.self_attn.k_scale": torch.tensor(0.5)}))
+    assert ckpt.skipped_tensors == {}
+    with pytest.raises(TensorError, match=r"'model.layers.1.self_attn.k_scale': unused"):
+        load_weights(ckpt, _PROJ)
+
+
+@pytest.mark.parametrize(("scale", "what"), [
+    (torch.ones(4, 4), "KV-cache scale has shape [4, 4]; expected one value per tensor or one per KV head"),
+    (torch.tensor(1, dtype=torch.int32), "KV-cache scale stored as I32; expected F32 or F16 or BF16"),
+], ids=["a-scale-per-element", "int32"])
+def test_a_bad_kv_cache_scale_is_named(tmp_path, scale, what):
+    path = _kv_checkpoint(tmp_path, {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
+                          {_ATTN + "k_proj.k_scale": scale})
+    with pytest.raises(TensorError) as err:
+        open_checkpoint(path)
+    assert err.value.tensor == _ATTN + "k_proj.k_scale" and what in str(err.value)
+
+
+def test_naive_quantized_int8_weights_fold_as_int_quantized_ones_without_an_activation_note(tmp_path):
+    # naive-quantized is compressed-tensors' unpacked layout (int-quantized is an alias of it):
+    # I8 weight [N, K] and weight_scale [N, 1]; weight-only, so no activation is quantized.
+    tensors = {"m.weight": torch.tensor(Q, dtype=torch.int8) - 8, "m.weight_scale": torch.tensor(S).reshape(N, 1)}
+    qconfig = {"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}}
+    ckpt = open_checkpoint(_write(tmp_path, tensors, qconfig))
+    w = ckpt.tensor("m.weight")
+    assert w.fmt == "int8_g" and ckpt.quantization_notes == ()
+    assert torch.equal(dequantize(w), torch.tensor([[S[n] * (Q[n][k] - 8) for k in range(K)] for n in range(N)]))

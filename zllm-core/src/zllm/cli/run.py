@@ -148,6 +148,8 @@ def _chat(engine, system: str | None) -> int:
 
 
 def _explain(engine) -> None:
+    from zllm.weights.hf_quant.kv_cache import kv_cache_note
+
     loaded = engine.loaded
     out = sys.stderr
     print(f"family: {loaded.family_info.name} (architecture {loaded.checkpoint.architecture})", file=out)
@@ -157,6 +159,9 @@ def _explain(engine) -> None:
     if loaded.checkpoint.quantization is not None:
         print(f"quantization: {loaded.checkpoint.quantization} (kept quantized)", file=out)
     for note in loaded.checkpoint.quantization_notes:
+        print(f"quantization note: {note}", file=out)
+    if loaded.checkpoint.kv_cache_quantization is not None:
+        note = kv_cache_note(loaded.checkpoint.kv_cache_quantization, engine.config.runtime.kv_cache.dtype)
         print(f"quantization note: {note}", file=out)
     for name, why in loaded.checkpoint.skipped_tensors.items():
         print(f"skipped tensor: {name} ({why})", file=out)

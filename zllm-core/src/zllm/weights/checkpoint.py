@@ -78,6 +78,13 @@ class Checkpoint(abc.ABC):
         return ()
 
     @property
+    def kv_cache_quantization(self) -> str | None:
+        """The FP8 KV cache a quantized HF checkpoint's config declares (``"kv_cache_quant_algo:
+        FP8"``), whose scales zllm does not apply: the cache stays in ``runtime.kv_cache.dtype``
+        (:mod:`zllm.weights.hf_quant.kv_cache`). None when the checkpoint declares none."""
+        return None
+
+    @property
     def skipped_tensors(self) -> dict[str, str]:
         """Tensors the files hold that are no weights, left out of :meth:`tensor_names`:
         name -> why (for ``--explain``). Empty unless a format says otherwise."""

@@ -295,6 +295,10 @@ class HFCheckpoint(Checkpoint):
         return () if self._quant is None else self._quant.notes
 
     @property
+    def kv_cache_quantization(self) -> str | None:
+        return None if self._quant is None else self._quant.kv_cache
+
+    @property
     def skipped_tensors(self) -> dict[str, str]:
         return dict(self._skipped)
 

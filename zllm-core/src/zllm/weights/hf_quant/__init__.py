@@ -17,7 +17,8 @@ Methods and their checkpoint tensors (``N`` out-features, ``K`` in-features, ``g
   ``[*L, N, K]`` with ``weight_scale_inv`` (or AutoFP8/vLLM's ``weight_scale``) F32
   ``[ceil(N/bn), ceil(K/bk)]`` for ``weight_block_size: [bn, bk]``, ``[N, 1]`` per channel or
   one value per tensor; U8/F8_E8M0 scale bytes ``b`` mean ``2^(b - 127)``.
-- ``compressed-tensors`` (``format`` per config group or global): ``float-quantized`` (F8
+- ``compressed-tensors`` (``format`` per config group or global; ``naive-quantized`` is the
+  layout ``float-quantized`` and ``int-quantized`` alias): ``float-quantized`` (F8
   ``weight`` + ``weight_scale``, strategy tensor/channel/block/group); ``int-quantized`` (W8A8:
   I8 ``weight`` ``[N, K]`` + ``weight_scale`` per tensor, ``[N, 1]`` or ``[N, K/g]``, I8
   ``weight_zero_point`` alike when asymmetric; run weight-only); ``pack-quantized``
@@ -46,7 +47,9 @@ Static activation scales (``input_scale``, ``activation_scale``, ``input_global_
 ``input_zero_point``) are read by nobody: zllm's quantized kernels take f32 activations (the
 dequantized-weight semantics), so they are skipped with that reason in ``--explain``; a config
 that quantizes activations (W8A8, modelopt FP8/NVFP4) adds a :attr:`QuantPlan.notes` line saying
-they stay f32. Modules a config leaves
+they stay f32. A config that declares an FP8 KV cache (modelopt ``kv_cache_quant_algo``,
+``kv_cache_scheme``) has its K/V scales skipped the same way and the cache kept in
+``runtime.kv_cache.dtype`` (:mod:`zllm.weights.hf_quant.kv_cache`). Modules a config leaves
 unquantized (``ignore``, ``modules_to_not_convert``, ``exclude_modules``) simply hold dense
 tensors and stay dense.
 """
@@ -107,4 +110,4 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
                                                 f"supported: {', '.join(METHODS)}")
     ctx = PlanContext(config_file, qconfig, entries, read)
     METHODS[method](ctx)
-    return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes))
+    return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes), ctx.kv_cache)

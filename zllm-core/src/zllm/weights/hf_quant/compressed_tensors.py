@@ -1,5 +1,11 @@
-"""``quant_method: compressed-tensors``: float-quantized, int-quantized (W8A8 int8), pack-quantized,
-nvfp4- and mxfp4-pack-quantized weights, matched to their config groups."""
+"""``quant_method: compressed-tensors``: float-quantized, int-quantized (W8A8 int8), naive-quantized,
+pack-quantized, nvfp4- and mxfp4-pack-quantized weights, matched to their config groups.
+
+``naive-quantized`` is the unpacked layout that compressed-tensors' ``int-quantized`` and
+``float-quantized`` compressors are aliases of (``NaiveQuantizationCompressor``: the weight cast
+to ``QuantizationArgs.pytorch_dtype()``, I8 or F8_E4M3, beside ``weight_scale`` and an optional
+``weight_zero_point``); it is what compressed-tensors picks for a weight-only FP8 scheme. Its
+weights fold as those two formats' do."""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import torch
 
 from zllm.weights.formats import QuantizedTensor
 from zllm.weights.hf_quant.fp8 import fp8_block, fp8_fold
+from zllm.weights.hf_quant.kv_cache import plan_kv_cache
 from zllm.weights.hf_quant.plan import (
+    CT_ARGS_KEYS,
     E8M0_DTYPES,
     FLOAT_SCALE_DTYPES,
     Fold,
@@ -30,9 +38,8 @@ _CT_KEYS = ("quant_method", "format", "config_groups", "ignore", "quantization_s
             "global_compression_ratio", "sparsity_config", "moe_sparsity_config", "transform_config", "version",
             "provider")
 _CT_GROUP_KEYS = ("targets", "weights", "input_activations", "output_activations", "format")
-_CT_ARGS_KEYS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
-                 "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype")
-CT_FORMATS = ("float-quantized", "int-quantized", "pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized", "nvfp4-pack-quantized",
+              "mxfp4-pack-quantized")
 
 
 @attrs.frozen
@@ -49,21 +56,21 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         if q.get(key):
             raise ctx.config_error(f"{key} (sparse compressed-tensors checkpoints) is not supported")
     if q.get("kv_cache_scheme"):
-        raise ctx.config_error("kv_cache_scheme (a quantized KV cache) is not supported")
+        plan_kv_cache(ctx, "kv_cache_scheme", q["kv_cache_scheme"], ())
     if q.get("transform_config"):
         raise ctx.config_error("transform_config (rotated weights) is not supported")
     groups = []
     for gname, group in (q.get("config_groups") or {}).items():
         check_keys(ctx, f"config_groups.{gname}", group, _CT_GROUP_KEYS)
         weights = group.get("weights") or {}
-        check_keys(ctx, f"config_groups.{gname}.weights", weights, _CT_ARGS_KEYS)
+        check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
         fmt = group.get("format") or q.get("format")
         if weights and fmt not in CT_FORMATS:
             raise ctx.config_error(f"format {fmt!r} (config_groups.{gname}) is not supported; supported: "
                                    f"{', '.join(CT_FORMATS)}")
         activations = group.get("input_activations")
         if activations:
-            check_keys(ctx, f"config_groups.{gname}.input_activations", activations, _CT_ARGS_KEYS)
+            check_keys(ctx, f"config_groups.{gname}.input_activations", activations, CT_ARGS_KEYS)
             ctx.note_quantized_activations(_activations_text(activations))
         groups.append(_CtGroup(tuple(group.get("targets") or ()), weights, fmt))
     return groups
@@ -104,7 +111,7 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     ctx.expect(scale, FLOAT_SCALE_DTYPES, None, "FP8 scale")
     bits, kind, strategy, _, group_size = _ct_args(group)
     if kind != "float" or bits != 8:
-        raise ctx.config_error(f"float-quantized {kind} with {bits} bits is not supported (float with 8 bits is)")
+        raise ctx.config_error(f"{group.format} {kind} with {bits} bits is not supported (float with 8 bits is)")
     blocks: list[tuple[int, int]] = []
     if strategy == "block":
         bs = group.weights.get("block_structure")
@@ -119,14 +126,14 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
 
 
 def _ct_int(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
-    """int-quantized (W8A8): ``weight`` I8 ``[N, K]`` as it is, ``weight_scale`` one value per
+    """int-quantized (W8A8) or naive-quantized int8: ``weight`` I8 ``[N, K]`` as it is, ``weight_scale`` one value per
     tensor, ``[N, 1]`` per channel or ``[N, K/g]`` per group, ``weight_zero_point`` I8 alike when
     asymmetric -> ``int8_g``, the int8 values offset by 128 (``q + 128 - (zp + 128)`` is exact)."""
     name, scale = prefix + "weight", prefix + "weight_scale"
     entry = ctx.entries[name]
     bits, kind, strategy, symmetric, group_size = _ct_args(group)
     if kind != "int" or bits != 8:
-        raise ctx.config_error(f"int-quantized {kind} with {bits} bits is not supported (int with 8 bits is)")
+        raise ctx.config_error(f"{group.format} {kind} with {bits} bits is not supported (int with 8 bits is)")
     if len(entry.shape) != 2:
         raise ctx.error(name, f"int8 weight of shape {list(entry.shape)}; expected [N, K]")
     n, k = entry.shape
@@ -137,7 +144,7 @@ def _ct_int(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     elif strategy in ("channel", "tensor", "None"):  # no strategy: compressed-tensors' default, tensor
         g = k
     else:
-        raise ctx.config_error(f"int-quantized strategy {strategy!r} is not supported (tensor, channel, group are)")
+        raise ctx.config_error(f"{group.format} strategy {strategy!r} is not supported (tensor, channel, group are)")
     per_tensor = strategy in ("tensor", "None")
     shapes = ((), (1,), (1, 1)) if per_tensor else ((n, k // g),)
     parts: list[tuple[str, str, tuple[str, ...]]] = [(scale, "scale", FLOAT_SCALE_DTYPES)]
@@ -273,12 +280,12 @@ def plan_compressed_tensors(ctx: PlanContext) -> None:
         elif name.endswith(".weight") and entry.dtype == "F8_E4M3":
             prefix = name.removesuffix("weight")
             group = _ct_group_of(ctx, groups, prefix.rstrip("."))
-            if group.format != "float-quantized":
+            if group.format not in ("float-quantized", "naive-quantized"):
                 raise ctx.error(name, f"FP8 weight, but its config group's format is {group.format!r}")
             _ct_float(ctx, prefix, group)
         elif name.endswith(".weight") and entry.dtype == "I8":
             prefix = name.removesuffix("weight")
             group = _ct_group_of(ctx, groups, prefix.rstrip("."))
-            if group.format != "int-quantized":
+            if group.format not in ("int-quantized", "naive-quantized"):
                 raise ctx.error(name, f"int8 weight, but its config group's format is {group.format!r}")
             _ct_int(ctx, prefix, group)

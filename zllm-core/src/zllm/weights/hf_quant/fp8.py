@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from zllm.weights.formats import QuantizedTensor
+from zllm.weights.hf_quant.kv_cache import plan_kv_cache
 from zllm.weights.hf_quant.plan import (
     E8M0_DTYPES,
     FLOAT_SCALE_DTYPES,
@@ -20,8 +21,9 @@ from zllm.weights.hf_quant.plan import (
     scale_f32,
 )
 
+# ignored_layers and kv_cache_scheme ("static"): what AutoFP8's save_quantized_model writes.
 _FP8_KEYS = ("quant_method", "activation_scheme", "weight_block_size", "modules_to_not_convert",
-             "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype")
+             "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype", "ignored_layers", "kv_cache_scheme")
 
 
 def fp8_block(ctx: PlanContext, scale_name: str, scale_shape: tuple[int, ...], shape: tuple[int, ...],
@@ -71,6 +73,8 @@ def plan_fp8(ctx: PlanContext) -> None:
         blocks.append((wbs[0], wbs[1]))
     if q.get("activation_scheme"):
         ctx.note_quantized_activations(f"FP8 E4M3 ({q['activation_scheme']} scales)")
+    if q.get("kv_cache_scheme"):
+        plan_kv_cache(ctx, "kv_cache_scheme", q["kv_cache_scheme"], ("static",))
     for name, entry in list(ctx.entries.items()):
         if entry.dtype != "F8_E4M3" or not name.endswith("weight"):
             continue

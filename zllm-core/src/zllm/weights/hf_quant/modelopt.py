@@ -10,6 +10,7 @@ import torch
 
 from zllm.weights.formats import QuantizedTensor
 from zllm.weights.hf_quant.fp8 import fp8_fold
+from zllm.weights.hf_quant.kv_cache import plan_kv_cache
 from zllm.weights.hf_quant.plan import Fold, PlanContext, Reader, check_keys, no_nan
 
 # config_groups / quant_library: what modelopt's convert_hf_quant_config_format adds to the
@@ -28,8 +29,12 @@ def plan_modelopt(ctx: PlanContext) -> None:
     if algo not in _MODELOPT_ALGOS:
         raise ctx.config_error(f"modelopt quant_algo {algo!r} is not supported; "
                                f"supported: {', '.join(_MODELOPT_ALGOS)}")
-    if q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme"):
-        raise ctx.config_error("kv_cache_quant_algo (a quantized KV cache) is not supported")
+    # kv_cache_quant_algo decides, as quant_algo does; config.json's restatement of it is
+    # kv_cache_scheme ("FP8" from older modelopt, QuantizationArgs from newer).
+    for field in ("kv_cache_quant_algo", "kv_cache_scheme"):
+        if q.get(field):
+            plan_kv_cache(ctx, field, q[field], ("FP8",))
+            break
     if algo == "FP8":
         _modelopt_fp8(ctx)
     else:

@@ -25,6 +25,10 @@ ACTIVATIONS_NOTE = ("activations kept in f32, not quantized to {what} as the che
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 FLOAT_SCALE_DTYPES = ("F32", "F16", "BF16")
 E8M0_DTYPES = ("U8", "F8_E8M0")
+# The fields of compressed-tensors' QuantizationArgs (a config group's weights and activations,
+# a kv_cache_scheme).
+CT_ARGS_KEYS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+                "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype")
 
 
 class Stored(Protocol):
@@ -84,12 +88,15 @@ class QuantPlan:
         skipped: checkpoint tensors nobody reads -> why (static activation scales).
         notes: lines for ``--explain`` on how zllm runs the checkpoint differently from what its
             config describes (activations the config quantizes are kept in f32).
+        kv_cache: the FP8 KV cache the config declares (``"kv_cache_quant_algo: FP8"``), whose
+            scales zllm skips (:mod:`zllm.weights.hf_quant.kv_cache`); None when it declares none.
     """
 
     method: str
     folds: dict[str, Fold]
     skipped: dict[str, str]
     notes: tuple[str, ...] = ()
+    kv_cache: str | None = None
 
     @property
     def consumed(self) -> dict[str, str]:
@@ -105,6 +112,7 @@ class PlanContext:
         self.folds: dict[str, Fold] = {}
         self.skipped: dict[str, str] = {}
         self.notes: list[str] = []
+        self.kv_cache: str | None = None
 
     def config_error(self, message: str) -> CheckpointError:
         """An error in the quantization config, naming its file."""
