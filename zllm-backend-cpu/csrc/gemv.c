@@ -64,6 +64,7 @@
  */
 #include "common.h"
 #include "gemv.h"
+#include "isa.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -348,7 +349,7 @@ DENSE_ENTRY(f16, uint16_t, 2)
 #define XQ_STACK_BYTES (16 << 10)
 
 /* Block formats (K a multiple of 32). If the quantized x cannot be allocated, y is NaN. */
-#define QUANT_ENTRY(NAME, BLOCK_BYTES)                                                         \
+#define QUANT_ENTRY(NAME, FORMAT, BLOCK_BYTES)                                                 \
 void zllm_gemv_##NAME(const uint8_t *w, int64_t ws, const float *x, int64_t xs, const float *bias, \
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {                 \
     if (n <= 0 || t <= 0) return;                                                               \
@@ -361,22 +362,24 @@ void zllm_gemv_##NAME(const uint8_t *w, int64_t ws, const float *x, int64_t xs, 
     }                                                                                           \
     const gemv_args a = {w, ws, x, xs, (int16_t *)buf, (float *)(buf + (size_t)(t * k) * sizeof(int16_t)), \
                          bias, y, t, n, k};                                                     \
-    gemv_split(&a, k / 32 * (BLOCK_BYTES), threads, rows_##NAME);                               \
+    gemv_split(&a, k / 32 * (BLOCK_BYTES), threads, gemv_rows(FORMAT));                           \
     if (buf != stack) free(buf);                                                                \
 }
 
-QUANT_ENTRY(q8_0, 34)
-QUANT_ENTRY(q4_0, 18)
-QUANT_ENTRY(q4_1, 20)
-QUANT_ENTRY(q5_0, 22)
-QUANT_ENTRY(q5_1, 24)
+QUANT_ENTRY(q8_0, GEMV_Q8_0, 34)
+QUANT_ENTRY(q4_0, GEMV_Q4_0, 18)
+QUANT_ENTRY(q4_1, GEMV_Q4_1, 20)
+QUANT_ENTRY(q5_0, GEMV_Q5_0, 22)
+QUANT_ENTRY(q5_1, GEMV_Q5_1, 24)
 
 /* ---- for the other kernels (gemv.h) ---- */
 
 rows_fn gemv_rows(int format) {
     static const rows_fn table[GEMV_NFORMATS] = {rows_f32, rows_f16, rows_bf16, rows_q8_0, rows_q4_0,
                                                  rows_q4_1, rows_q5_0, rows_q5_1};
-    return format >= 0 && format < GEMV_NFORMATS ? table[format] : 0;
+    if (format < 0 || format >= GEMV_NFORMATS) return 0;
+    const rows_fn wide = native_isa_level >= ISA_AVX512 ? gemv_rows_avx512(format) : 0;
+    return wide ? wide : table[format];
 }
 
 int gemv_is_block(int format) { return format >= GEMV_Q8_0; }
