@@ -38,7 +38,8 @@
  *
  * AVX-512 (isa.h; chosen when the library loads where the CPU has it, ZLLM_NATIVE_ISA=avx2
  * forces the AVX2 kernels): the GEMV rows decode each 16 columns into one 16-lane vector (the
- * same exact values) and accumulate 16 lanes wide. Groups of 16 or 32: two 16-lane
+ * same exact values; nibbles by one vpermps from a 16-entry f32 table of q - z or twice E2M1,
+ * 1.15-1.35x faster than widening and converting them) and accumulate 16 lanes wide. Groups of 16 or 32: two 16-lane
  * accumulators (the first / second 16 columns of each 32), then a0 + a1 and a fixed horizontal
  * sum. Larger groups: per group two 16-lane accumulators (even / odd 16-column steps of the
  * group; the AVX2 kernel's pair takes columns 0-7 / 8-15 of every step), their sum times the
@@ -297,18 +298,35 @@ ROWS(nvfp4, L_NVFP4)
 
 /* ---- AVX-512 (isa.h): 16 columns in one 16-lane vector ---- */
 
-/* cols16's values as one 16-lane vector (the same exact values, so the same bits). */
+/* The 16 nibbles of the 8 bytes at p in column order as the low 4 bits of 16 int32 lanes (the
+ * other bits are not cleared: vpermps reads only the low 4): byte j zero-extended into 64-bit
+ * lane j is lane 2j = byte j; OR the lane shifted left by 28 puts byte j >> 4 into lane 2j + 1
+ * and leaves the low nibble in lane 2j's low bits. */
+INLINE AVX512 __m512i nibble_lanes(const uint8_t *p) {
+    const __m512i v = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)p));
+    return _mm512_or_si512(v, _mm512_slli_epi64(v, 28));
+}
+
+/* The f32 value of each nibble before the scale (cols16's: q - z, twice E2M1), a 16-entry
+ * table for vpermps. */
+INLINE AVX512 __m512 nibble_table(int z, const int layout) {
+    if (layout == L_INT4)
+        return _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z)));
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+/* cols16's values as one 16-lane vector (the same exact values, so the same bits); nibbles
+ * by one table lookup. */
 INLINE AVX512 __m512 cols16_512(const uint8_t *row, int64_t c, int z, const int layout) {
     if (layout == L_FP8) {
         const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + c)));
         return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBF80)));
     }
-    if (layout == L_MXFP4 || layout == L_NVFP4) {
-        const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, nibbles16(row + c / 2))));
-    }
-    const __m128i q = layout == L_INT4 ? nibbles16(row + c / 2) : _mm_loadu_si128((const __m128i *)(row + c));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(z)));
+    if (layout == L_INT8)
+        return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c))),
+                                                   _mm512_set1_epi32(z)));
+    return _mm512_permutexvar_ps(nibble_lanes(row + c / 2), nibble_table(z, layout));
 }
 
 INLINE AVX512 float hsum512(__m512 v) {
