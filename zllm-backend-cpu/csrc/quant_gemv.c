@@ -38,8 +38,9 @@
  *
  * AVX-512 (isa.h; chosen when the library loads where the CPU has it, ZLLM_NATIVE_ISA=avx2
  * forces the AVX2 kernels): the GEMV rows decode each 16 columns into one 16-lane vector (the
- * same exact values; nibbles by one vpermps from a 16-entry f32 table of q - z or twice E2M1,
- * 1.15-1.35x faster than widening and converting them) and accumulate 16 lanes wide. Groups of 16 or 32: two 16-lane
+ * same exact values; nibbles by one vpermps from a 16-entry f32 table of q - z or E2M1, 1.15-
+ * 1.35x faster than widening and converting them; the group's scale from broadcast loads,
+ * no scalar step: the same products, so the same f32) and accumulate 16 lanes wide. Groups of 16 or 32: two 16-lane
  * accumulators (the first / second 16 columns of each 32), then a0 + a1 and a fixed horizontal
  * sum. Larger groups: per group two 16-lane accumulators (even / odd 16-column steps of the
  * group; the AVX2 kernel's pair takes columns 0-7 / 8-15 of every step), their sum times the
@@ -307,16 +308,28 @@ INLINE AVX512 __m512i nibble_lanes(const uint8_t *p) {
     return _mm512_or_si512(v, _mm512_slli_epi64(v, 28));
 }
 
-/* The f32 value of each nibble before the scale (cols16's: q - z, twice E2M1), a 16-entry
- * table for vpermps. */
+/* The f32 value of each nibble before the scale (q - z; the E2M1 value itself, not cols16's
+ * twice it: scale_512 takes no factor), a 16-entry table for vpermps. */
 INLINE AVX512 __m512 nibble_table(int z, const int layout) {
     if (layout == L_INT4)
         return _mm512_cvtepi32_ps(_mm512_sub_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z)));
-    return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                          -4.0f, -6.0f);
 }
 
-/* cols16's values as one 16-lane vector (the same exact values, so the same bits); nibbles
+/* The scale of group gi for cols16_512's values in all 16 lanes, from broadcast loads (no
+ * scalar step): fp8 scale * 2^8, int scale, E8M0, e4m3 * global (the reference's one f32
+ * product, lane by lane). Each times a value is the same real product as cols16's value times
+ * group_scale's vs, rounded once: the same f32. */
+INLINE AVX512 __m512 scale_512(const qweight *w, const float *sf, const uint8_t *s8, int64_t gi, const int layout) {
+    if (layout == L_FP8) return _mm512_mul_ps(_mm512_set1_ps(sf[gi]), _mm512_set1_ps(256.0f));
+    if (layout == L_INT4 || layout == L_INT8) return _mm512_set1_ps(sf[gi]);
+    if (layout == L_MXFP4) return _mm512_set1_ps(E8M0[s8[gi]]);
+    return _mm512_mul_ps(_mm512_set1_ps(E4M3[s8[gi]]), _mm512_set1_ps(w->global));
+}
+
+/* cols16's values as one 16-lane vector (the same exact values, E2M1 not doubled); nibbles
  * by one table lookup. */
 INLINE AVX512 __m512 cols16_512(const uint8_t *row, int64_t c, int z, const int layout) {
     if (layout == L_FP8) {
@@ -340,10 +353,8 @@ INLINE AVX512 void steps32_512(const qweight *w, const uint8_t *row, const uint8
                                const int TT, __m512 a[TOKENS_MAX][2]) {
     for (int h = 0; h < 2; h++) {
         const int64_t cc = c + 16 * h, gi = cc >> 4 >> lg;
-        float s, vs;
-        group_scale(w, sf, s8, gi, layout, &s, &vs);
         PREFETCH_ROW(row + (layout == L_INT8 || layout == L_FP8 ? cc : cc / 2));
-        const __m512 v = _mm512_mul_ps(cols16_512(row, cc, zr ? zr[gi] : 0, layout), _mm512_set1_ps(vs));
+        const __m512 v = _mm512_mul_ps(cols16_512(row, cc, zr ? zr[gi] : 0, layout), scale_512(w, sf, s8, gi, layout));
         for (int t = 0; t < TT; t++) a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + cc), a[t][h]);
     }
 }
@@ -372,7 +383,7 @@ INLINE AVX512 void dot_row_512(const qweight *w, int64_t r, const float *x, int6
         const int64_t c1 = (gi + 1) * g < k ? (gi + 1) * g : k;
         const int z = zr ? zr[gi] : 0;
         float s, vs;
-        group_scale(w, sf, s8, gi, layout, &s, &vs);
+        group_scale(w, sf, s8, gi, layout, &s, &vs); /* s: the scalar tail's */
         __m512 a[TOKENS_MAX][2];
         for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
         int64_t c = gi * g;
@@ -391,7 +402,7 @@ INLINE AVX512 void dot_row_512(const qweight *w, int64_t r, const float *x, int6
             }
         }
         for (int t = 0; t < TT; t++)
-            tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_set1_ps(vs), tot[t]);
+            tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a[t][0], a[t][1]), scale_512(w, sf, s8, gi, layout), tot[t]);
         for (; c < c1; c++) {
             const float wc = col1(row, c, z, layout) * s;
             for (int t = 0; t < TT; t++) tail[t] = fmaf(wc, x[t * xs + c], tail[t]);
