@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_gemv import random_weight, run_linear  # noqa: E402
 
 from zllm.plugin_api import QuantizedTensor  # noqa: E402
-from zllm_backend_cpu.kernels.native import select_isa, unavailable_reason  # noqa: E402
+from zllm_backend_cpu.kernels.native import isa, select_isa, unavailable_reason  # noqa: E402
 
 SAMPLE_S = 0.02
 HF = ("fp8_e4m3", "int8_g", "int4_g", "mxfp4", "nvfp4")
@@ -80,8 +80,9 @@ def sample_s(call: Callable[[], object], calls: int) -> float:
 
 
 def measure(cases: list[str], repeats: int) -> dict[str, dict]:
-    """Interleaved AVX2 / AVX-512 timing of ``cases`` at torch's thread count -> ``{case: row}``."""
-    rows = {}
+    """Interleaved AVX2 / AVX-512 timing of ``cases`` at torch's thread count -> ``{case: row}``;
+    the level in use before is selected again after each case."""
+    rows, before = {}, isa()
     for case in cases:
         call, nbytes = build(case)
         call()
@@ -92,7 +93,7 @@ def measure(cases: list[str], repeats: int) -> dict[str, dict]:
                 select_isa(level)
                 call()
                 times[level].append(sample_s(call, calls))
-        select_isa("avx512")
+        select_isa(before)
         row: dict = {"case": case, "bytes": nbytes, "calls_per_sample": calls}
         for level, ts in times.items():
             med = statistics.median(ts)
