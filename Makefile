@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # module-scoped servers and process groups are started once.
 PYTEST_WORKERS ?= 2
 
-.PHONY: run test bench bench-serve bench-grammar bench-speculative bench-parallel bench-quant compat clean
+.PHONY: run test bench bench-serve bench-grammar bench-speculative bench-parallel bench-quant bench-gpt-oss compat clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ bench-serve: $(VENV)/.installed-test
 BENCH_QUANT_ARGS ?=
 bench-quant: $(VENV)/.installed-test
 	$(BIN)/python bench/quant_models.py $(BENCH_QUANT_ARGS)
+
+BENCH_GPT_OSS_ARGS ?=
+bench-gpt-oss: $(VENV)/.installed-test
+	$(BIN)/python bench/gpt_oss_moe.py $(BENCH_GPT_OSS_ARGS)
 
 BENCH_GRAMMAR_ARGS ?=
 bench-grammar: $(VENV)/.installed-test

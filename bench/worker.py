@@ -179,8 +179,8 @@ TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
 class TransformersRunner:
-    """HF transformers: ``LlamaForCausalLM.from_pretrained(dir, dtype=<dtype>,
-    attn_implementation="sdpa")`` and ``generate(do_sample=False, max_new_tokens=N,
+    """HF transformers: ``AutoModelForCausalLM.from_pretrained(dir, dtype=<dtype>,
+    attn_implementation=<spec's, default "sdpa">)`` and ``generate(do_sample=False, max_new_tokens=N,
     min_new_tokens=N)`` with a streamer that timestamps every new token."""
 
     name = "transformers"
@@ -188,7 +188,7 @@ class TransformersRunner:
     def import_libs(self) -> None:
         import torch  # noqa: F401
         import transformers  # noqa: F401
-        from transformers import LlamaForCausalLM  # noqa: F401  (resolves the lazy module)
+        from transformers import AutoModelForCausalLM  # noqa: F401  (resolves the lazy module)
 
     def versions(self) -> dict[str, str]:
         import torch
@@ -198,11 +198,11 @@ class TransformersRunner:
 
     def load(self, spec: dict[str, Any]) -> None:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, TORCH_DTYPES[spec.get("dtype", "f32")])
-        self.model = LlamaForCausalLM.from_pretrained(spec["model_path"], dtype=dtype,
-                                                      attn_implementation="sdpa").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            spec["model_path"], dtype=dtype, attn_implementation=spec.get("attn_implementation", "sdpa")).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
 

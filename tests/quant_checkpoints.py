@@ -176,18 +176,42 @@ def write_modelopt_nvfp4(src: Path, dst: Path) -> StateDict:
     return _rewrite(src, dst, qconfig, quantize)
 
 
+def write_modelopt_fp8(src: Path, dst: Path) -> StateDict:
+    """modelopt FP8 as its unified HF export writes config.json (``convert_hf_quant_config_format``):
+    ``weight`` F8_E4M3 ``[N, K]``, ``weight_scale`` F32 scalar (per tensor), ``input_scale`` F32 scalar."""
+    def quantize(prefix: str, w: torch.Tensor, out: StateDict) -> torch.Tensor:
+        q = quantizers.quantize_fp8_e4m3(w, None)
+        out[prefix + "weight"] = q.parts["qweight"].view(torch.float8_e4m3fn)
+        out[prefix + "weight_scale"] = q.parts["scale"].reshape(())
+        out[prefix + "input_scale"] = torch.tensor(0.05)
+        return dequantize(q)
+
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    qconfig = {"config_groups": {"group_0": {"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}},
+               "ignore": ["lm_head"], "quant_algo": "FP8", "producer": {"name": "modelopt", "version": "0.37.0"},
+               "quant_method": "modelopt"}
+    return _rewrite(src, dst, qconfig, quantize)
+
+
 def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32) -> StateDict:
     """A compressed-tensors checkpoint written by the library's own compressors
     (``compress(state_dict, scheme)``) from zllm quantizers' scales: ``w4a16`` (pack-quantized
     int4, asymmetric groups of ``group``), ``w8a16`` (pack-quantized int8, symmetric per channel),
-    ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``."""
+    ``w8a8`` (int-quantized: int8 weights per channel, activations int8 per token, dynamic),
+    ``w8a8-static`` (int-quantized: one weight scale per tensor, a static per-tensor
+    ``input_scale``), ``fp8-block`` (float-quantized, 32 x 32 blocks), ``nvfp4``, ``mxfp4``."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
+    int8 = dict(num_bits=8, type="int", symmetric=True)
+    activations = {"w8a8": QuantizationArgs(**int8, strategy="token", dynamic=True),
+                   "w8a8-static": QuantizationArgs(**int8, strategy="tensor", dynamic=False)}.get(scheme)
     args, fmt = {
         "w4a16": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group), "pack-quantized"),
+        "w8a8": (dict(int8, strategy="channel"), "int-quantized"),
+        "w8a8-static": (dict(int8, strategy="tensor"), "int-quantized"),
         "w8a16": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
         "fp8-block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 32]),
                       "float-quantized"),
@@ -196,7 +220,8 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32)
         "mxfp4": (dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
                        scale_dtype=torch.uint8, zp_dtype=torch.uint8), "mxfp4-pack-quantized"),
     }[scheme]
-    qscheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args), format=fmt)
+    qscheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args), input_activations=activations,
+                                 format=fmt)
     compressor = BaseCompressor.get_value_from_registry(fmt)
 
     def quantize(prefix: str, w: torch.Tensor, out: StateDict) -> torch.Tensor:
@@ -204,9 +229,12 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group: int = 32)
             qt = quantizers.quantize_int_g(w, 4, group, symmetric=False)
             state = {"weight": w, "weight_scale": qt.parts["scales"],
                      "weight_zero_point": (qt.parts["zeros"].to(torch.int8) - 8)}
-        elif scheme == "w8a16":
+        elif scheme in ("w8a16", "w8a8"):
             qt = quantizers.quantize_int_g(w, 8, w.shape[1], symmetric=True)
             state = {"weight": w, "weight_scale": qt.parts["scales"]}
+        elif scheme == "w8a8-static":
+            state = {"weight": w, "weight_scale": (w.abs().max() / 127).reshape(1)}
+            out[prefix + "input_scale"] = torch.tensor([0.02])
         elif scheme == "fp8-block":
             qt = quantizers.quantize_fp8_e4m3(w, (32, 32))
             state = {"weight": w, "weight_scale": qt.parts["scale"]}

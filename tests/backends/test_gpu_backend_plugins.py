@@ -14,13 +14,18 @@ import re
 
 import pytest
 import torch
+import transformers
 
 from tests.cli.conftest import one_line_error, zllm
 from tests.conftest import MODEL_DIR, write_config
+from tests.gpt_oss_checkpoint import CONFIG as GPT_OSS_CONFIG
+from tests.gpt_oss_checkpoint import save_mxfp4_copy
+from zllm import Engine
 from zllm.capabilities import Capability
 from zllm.kernels.bound import BoundOps
 from zllm.plugins.host import PluginHost
 from zllm.plugins.selection import select_backend
+from zllm.spec.errors import BackendUnavailable, CapabilityError
 from zllm_backend_cuda.backend import CudaBackend
 from zllm_backend_cuda.backend import bf16_unsupported as cuda_bf16_unsupported
 from zllm_backend_metal.backend import MetalBackend
@@ -40,10 +45,11 @@ GPU_CAPABILITIES = {f"embedding[{f}]" for f in ("f32", "f16", "bf16", "q8_0")} |
     "rms_norm[f32]", "add_rms_norm[f32]", "rope[neox]", "rope[gptj]", "silu_mul[f32]", "attention[paged]",
     "attention_sliding[paged]"}
 #: What the cuda and rocm backends add through zllm-kernels-triton alone (metal has none of them).
+HF_FORMATS = ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")
 TRITON_ONLY_CAPABILITIES = {
-    f"{op}[{f}]" for op in ("moe", "moe_clamped_swiglu") for f in ("f32", "f16", "bf16", "q8_0")} | {
+    f"{op}[{f}]" for op in ("moe", "moe_clamped_swiglu") for f in ("f32", "f16", "bf16", "q8_0", *HF_FORMATS)} | {
     "mla_attention[paged]", "attention_sinks[paged]", "swiglu_clamped[f32]", "router_topk_softmax[f32]"} | {
-    f"linear[{f}]" for f in ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")}
+    f"linear[{f}]" for f in HF_FORMATS}
 TRITON_CAPABILITIES = {f"{op}[{v}]" for op, variants, _ in OPS for v in variants}
 #: The reasons above describe this machine: no GPU, a CPU build of torch.
 without_gpus = pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
@@ -108,6 +114,24 @@ def test_auto_selection_skips_the_gpu_backends_with_their_reasons(host):
     # highest priority first: cuda and rocm (20), then metal (10)
     assert choice.reason.endswith(
         f"; skipped cuda: {REASONS['cuda']}; rocm: {REASONS['rocm']}; metal: {REASONS['metal']}")
+
+
+@without_gpus
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_clears_the_capability_check_of_cuda_and_rocm(tmp_path):
+    # As released: MXFP4 experts, everything else dense. cuda and rocm take the experts through
+    # zllm-kernels-triton's moe_clamped_swiglu[mxfp4], so only the absent device stops them;
+    # metal has no MoE kernel and names it, before a weight is read (so no tokenizer is needed).
+    config = transformers.AutoConfig.for_model("gpt_oss", **GPT_OSS_CONFIG)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "f32")
+    path = save_mxfp4_copy(tmp_path / "f32", tmp_path / "mxfp4")
+    for name in ("cuda", "rocm"):
+        with pytest.raises(BackendUnavailable, match=re.escape(REASONS[name])):
+            Engine.from_config({"schema_version": 1, "model": {"path": str(path)}, "backend": {"name": name}})
+    started = []
+    with pytest.raises(CapabilityError) as info:
+        Engine.from_config({"schema_version": 1, "model": {"path": str(path)}, "backend": {"name": "metal"}},
+                                on_start=started.append)
+    assert "moe_clamped_swiglu[mxfp4]" in info.value.missing and started == []
 
 
 @pytest.mark.parametrize("name", sorted(REASONS))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zllm.compat import FORMAT_AXIS, compute_matrix, find_verified_file, load_verified, render
+from zllm.compat import FORMAT_AXIS, column_capabilities, compute_matrix, find_verified_file, load_verified, render
 from zllm.plugins.host import PluginHost
 from zllm.spec.errors import ConfigError
 
@@ -163,18 +163,18 @@ def test_without_a_verified_file_no_cell_is_verified_and_output_says_so(host, tm
 def test_render_reports_core_api_and_each_plugins_distribution_version_api_and_core_range(host, tmp_path):
     matrix = compute_matrix(host, write_verified(tmp_path, ""))
     md = render(matrix, "md")
-    assert "Core plugin API: **1.2**" in md
+    assert "Core plugin API: **1.3**" in md
     llama = next(p for p in matrix.plugins if p.name == "llama")
     families = ("family:llama, family:mistral, family:qwen2, family:qwen3, family:mixtral, family:qwen2_moe, "
                 "family:qwen3_moe")
-    assert f"| llama | zllm-model-llama | {llama.version} | {families} | loaded | 1.2 | {llama.requires_core} |" in md
+    assert f"| llama | zllm-model-llama | {llama.version} | {families} | loaded | 1.3 | {llama.requires_core} |" in md
     assert md.count("| example | declared |") == 1
 
     data = json.loads(render(matrix, "json"))
-    assert data["core_api"] == "1.2"
+    assert data["core_api"] == "1.3"
     assert {c["format"] for c in data["cells"]} == set(FORMAT_AXIS)
     text = render(matrix, "text")
-    assert "core plugin API 1.2" in text and "unsupported (missing: embedding[q8_0], linear[q8_0])" in text
+    assert "core plugin API 1.3" in text and "unsupported (missing: embedding[q8_0], linear[q8_0])" in text
     with pytest.raises(ValueError, match="expected text, md or json"):
         render(matrix, "html")
 
@@ -190,3 +190,11 @@ def test_cli_verified_option_names_the_file_and_rejects_a_missing_one(tmp_path):
         [str(ZLLM), "compat", "--verified", str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "nope.toml: no such file" in bad.stderr
+
+
+def test_a_quantized_hf_column_needs_a_dense_embedding_and_a_gguf_column_the_quantized_one():
+    family = PluginHost().families["llama"].load()
+    hf = {str(c) for c in column_capabilities(family, "hf-fp8", "fp8_e4m3")}
+    assert "embedding[bf16]" in hf and "embedding[fp8_e4m3]" not in hf and "linear[fp8_e4m3]" in hf
+    gguf = {str(c) for c in column_capabilities(family, "gguf-Q8_0", "q8_0")}
+    assert "embedding[q8_0]" in gguf and "linear[q8_0]" in gguf

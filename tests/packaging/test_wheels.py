@@ -32,6 +32,8 @@ DISTS = {
     "zllm-core": ("zllm-core", "zllm_core", None),
     "zllm-backend-cpu": ("zllm-backend-cpu", "zllm_backend_cpu", "cpu"),
     "zllm-models/llama": ("zllm-model-llama", "zllm_model_llama", "llama"),
+    "zllm-models/deepseek": ("zllm-model-deepseek", "zllm_model_deepseek", "deepseek"),
+    "zllm-models/gpt_oss": ("zllm-model-gpt-oss", "zllm_model_gpt_oss", "gpt_oss"),
     "zllm-kernels-torch": ("zllm-kernels-torch", "zllm_kernels_torch", None),
     "zllm-kernels-triton": ("zllm-kernels-triton", "zllm_kernels_triton", None),
     "zllm-backend-cuda": ("zllm-backend-cuda", "zllm_backend_cuda", "cuda"),
@@ -67,7 +69,7 @@ def _build_leftovers() -> set[Path]:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, Path]:
-    """distribution folder -> its built wheel. The three builds run at once."""
+    """distribution folder -> its built wheel. The builds run at once."""
     tmp = tmp_path_factory.mktemp("wheels")
     before = _build_leftovers()
     out = tmp / "dist"

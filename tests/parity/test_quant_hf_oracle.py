@@ -81,7 +81,7 @@ def test_gpt_oss_mxfp4_blocks_decode_as_transformers_converts_them(tmp_path):
     assert torch.equal(dequantize(w), theirs.transpose(1, 2))
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w8a16", "fp8-block", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16", "w8a8", "w8a8-static", "fp8-block", "mxfp4"])
 def test_compressed_tensors_checkpoints_decode_as_its_decompressor(tmp_path, scheme):
     dense = torch.randn(48, 64, generator=torch.Generator().manual_seed(3))
     src = tmp_path / "src"
@@ -91,6 +91,54 @@ def test_compressed_tensors_checkpoints_decode_as_its_decompressor(tmp_path, sch
     w = open_checkpoint(tmp_path / scheme).tensor("model.layers.0.mlp.up_proj.weight")
     assert isinstance(w, QuantizedTensor) and w.nbytes < dense.numel() * 4
     assert torch.equal(dequantize(w), decompressed["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize(("strategy", "scale_dtype"), [("group", torch.bfloat16), ("channel", torch.float16)])
+def test_compressed_tensors_int8_with_zero_points_decodes_as_its_decompressor_in_its_scale_dtype(
+        tmp_path, strategy, scale_dtype):
+    # int-quantized, asymmetric: int8 weight_zero_point beside 16-bit scales. compressed-tensors
+    # dequantizes (q - zp) * scale in the scale's dtype; zllm's f32 product rounded to it agrees.
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    g = torch.Generator().manual_seed(6)
+    n, k, group = 16, 64, 32
+    cols = k // group if strategy == "group" else 1
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy=strategy,
+                            group_size=group if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized",
+                                input_activations=QuantizationArgs(num_bits=8, type="int", strategy="token",
+                                                                   dynamic=True))
+    compressor = BaseCompressor.get_value_from_registry("int-quantized")
+    state = {"weight": torch.randn(n, k, generator=g),
+             "weight_scale": (torch.rand(n, cols, generator=g) * 0.02 + 0.005).to(scale_dtype),
+             "weight_zero_point": torch.randint(-20, 20, (n, cols), generator=g, dtype=torch.int8)}
+    stored = compressor.compress(state, scheme)
+    assert stored["weight"].dtype == torch.int8
+    qconfig = {"quant_method": "compressed-tensors", "format": "int-quantized",
+               "config_groups": {"group_0": scheme.model_dump(mode="json")}}
+    ckpt = open_checkpoint(_write(tmp_path / strategy, {f"m.{part}": t for part, t in stored.items()}, qconfig))
+    w = ckpt.tensor("m.weight")
+    assert w.fmt == "int8_g" and w.block_shape == (1, group if strategy == "group" else k)
+    theirs = compressor.decompress(dict(stored), scheme)["weight"]
+    assert theirs.dtype == scale_dtype
+    assert torch.equal(dequantize(w).to(scale_dtype), theirs)
+
+
+def test_modelopt_fp8_decodes_as_weight_times_its_per_tensor_scale(tmp_path):
+    # modelopt FP8 (vLLM's ModelOptFp8LinearMethod): e4m3(weight) * weight_scale, one F32 scale a
+    # tensor; the older export keeps the recipe in hf_quant_config.json.
+    g = torch.Generator().manual_seed(7)
+    q = _finite_e4m3(g, 8, 32)
+    path = _write(tmp_path / "fp8", {"m.weight": q.view(torch.float8_e4m3fn), "m.weight_scale": torch.tensor(0.0123),
+                                     "m.input_scale": torch.tensor(0.5)}, {})
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.19.0"},
+                                                           "quantization": {"quant_algo": "FP8",
+                                                                            "exclude_modules": ["lm_head"]}}))
+    ckpt = open_checkpoint(path)
+    assert ckpt.tensor_names() == ["m.weight"] and "m.input_scale" in ckpt.skipped_tensors
+    assert torch.equal(dequantize(ckpt.tensor("m.weight")), q.view(torch.float8_e4m3fn).float() * torch.tensor(0.0123))
 
 
 def test_compressed_tensors_nvfp4_decodes_as_its_decompressor_in_its_bf16(tmp_path):

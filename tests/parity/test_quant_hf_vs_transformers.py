@@ -6,11 +6,13 @@ Oracle: transformers in f32 on the dequantized weights (the f32 reference of eac
 checked bit for bit against the defining libraries in ``test_quant_hf_oracle.py``): logits
 within 1e-4, greedy tokens identical. Where transformers itself loads the quantized directory
 on a CPU (it dequantizes: transformers ``fp8`` with ``weight_scale_inv``, compressed-tensors
-``float-quantized`` and symmetric ``pack-quantized`` int8), zllm is compared with that too.
-transformers cannot load the others here: GPTQ needs optimum, AWQ gptqmodel, modelopt has no
-CPU path, compressed-tensors int4 with zero points fails on its packed zero-point shape,
-NVFP4/MXFP4 decompress to bf16 and refuse an f32 model; AutoFP8-style ``weight_scale`` files
-under ``quant_method: fp8`` load without those scales applied (transformers reads ``weight_scale_inv``).
+``float-quantized``, symmetric ``pack-quantized`` int8 and, with ``run_compressed=False``,
+``int-quantized`` W8A8, which zllm runs weight-only with f32 activations), zllm is compared with
+that too. transformers cannot load the others here: GPTQ needs optimum, AWQ gptqmodel, modelopt
+(FP8, NVFP4) is no transformers method, compressed-tensors int4 with zero points fails on its
+packed zero-point shape, NVFP4/MXFP4 decompress to bf16 and refuse an f32 model; AutoFP8-style
+``weight_scale`` files under ``quant_method: fp8`` load without those scales applied
+(transformers reads ``weight_scale_inv``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ WRITERS = {
     "gptq-int8": lambda src, dst: qc.write_gptq(src, dst, 8, 32),
     "awq-int4": lambda src, dst: qc.write_awq(src, dst, 32),
     "modelopt-nvfp4": qc.write_modelopt_nvfp4,
+    "modelopt-fp8": qc.write_modelopt_fp8,
+    "ct-w8a8": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a8"),
+    "ct-w8a8-static": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a8-static"),
     "ct-w4a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w4a16"),
     "ct-w8a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w8a16"),
     "ct-fp8-block": lambda src, dst: qc.write_compressed_tensors(src, dst, "fp8-block"),
@@ -45,8 +50,14 @@ WRITERS = {
 FORMAT_OF = {"fp8-block": "fp8_e4m3", "fp8-tensor": "fp8_e4m3", "fp8-autofp8": "fp8_e4m3", "gptq-int4": "int4_g",
              "gptq-int4-v2-desc-act": "int4_g", "gptq-int8": "int8_g", "awq-int4": "int4_g",
              "modelopt-nvfp4": "nvfp4", "ct-w4a16": "int4_g", "ct-w8a16": "int8_g", "ct-fp8-block": "fp8_e4m3",
-             "ct-nvfp4": "nvfp4", "ct-mxfp4": "mxfp4"}
-TRANSFORMERS_LOADS = {"fp8-block", "fp8-tensor", "ct-w8a16", "ct-fp8-block"}
+             "ct-nvfp4": "nvfp4", "ct-mxfp4": "mxfp4", "modelopt-fp8": "fp8_e4m3", "ct-w8a8": "int8_g",
+             "ct-w8a8-static": "int8_g"}
+# case -> from_pretrained arguments. W8A8: transformers' default keeps the layers compressed and
+# quantizes their activations to int8 (the W8A8 semantics, off from weight-only by ~0.7 in these
+# logits); run_compressed=False decompresses the weights and runs f32 activations, as zllm does.
+_DECOMPRESSED = {"quantization_config": transformers.CompressedTensorsConfig(run_compressed=False)}
+TRANSFORMERS_LOADS: dict[str, dict] = {"fp8-block": {}, "fp8-tensor": {}, "ct-w8a16": {}, "ct-fp8-block": {},
+                                       "ct-w8a8": _DECOMPRESSED, "ct-w8a8-static": _DECOMPRESSED}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +98,8 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(tm
 def test_quantized_checkpoint_matches_transformers_loading_the_same_directory(tmp_path, dense, case):
     quantized = tmp_path / case
     WRITERS[case](dense, quantized)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32,
+                                                           **TRANSFORMERS_LOADS[case]).eval()
     engine = zllm.Engine.from_config(write_config(tmp_path, quantized))
     torch.testing.assert_close(engine.prompt_logits(PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
 
@@ -214,3 +226,17 @@ def test_explain_names_the_quantization_the_kernels_and_the_unused_activation_sc
     assert any(line.strip().startswith("linear[fp8_e4m3]") for line in lines)
     skipped = [line for line in lines if line.startswith("skipped tensor: ")]
     assert len(skipped) == 14 and all(".activation_scale (static activation scale" in s for s in skipped)
+
+
+def test_w8a8_explain_says_the_activations_stay_f32_not_int8(tmp_path, dense, capsys):
+    from zllm.cli.run import _explain
+
+    quantized = tmp_path / "ct-w8a8"
+    WRITERS["ct-w8a8"](dense, quantized)
+    _explain(zllm.Engine.from_config(write_config(tmp_path, quantized)))
+    lines = capsys.readouterr().err.splitlines()
+    assert "quantization: compressed-tensors: 14 weights as int8_g; the rest dense (kept quantized)" in lines
+    assert [line for line in lines if line.startswith("quantization note: ")] == [
+        "quantization note: activations kept in f32, not quantized to int8 per token (dynamic) as the "
+        "checkpoint's config says: its weights run weight-only (dequantized-weight semantics, not the "
+        "quantized-activation matmul)"]

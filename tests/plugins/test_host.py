@@ -28,8 +28,8 @@ def test_installed_cpu_backend_and_llama_family_arrive_through_entry_points(inst
     records = {r.name: r for r in host.records}
     assert records["cpu"].status == "loaded", records["cpu"].reason
     assert records["llama"].status == "loaded", records["llama"].reason
-    assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.2")
-    assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.2")
+    assert (records["cpu"].distribution, records["cpu"].api) == ("zllm-backend-cpu", "1.3")
+    assert (records["llama"].distribution, records["llama"].api) == ("zllm-model-llama", "1.3")
     assert records["cpu"].kinds == ["backend:cpu"] and records["llama"].kinds == [
         "family:llama", "family:mistral", "family:qwen2", "family:qwen3", "family:mixtral", "family:qwen2_moe",
         "family:qwen3_moe"]

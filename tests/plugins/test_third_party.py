@@ -42,7 +42,7 @@ def api2_copy(dst: Path) -> Path:
         text = (text.replace("zllm-backend-example", "zllm-backend-example2")
                 .replace("zllm_backend_example", "zllm_backend_example2")
                 .replace('example = "', 'example2 = "').replace('BACKEND = "example"', 'BACKEND = "example2"')
-                .replace('ZLLM_PLUGIN_API = "1.2"', 'ZLLM_PLUGIN_API = "2.0"'))
+                .replace('ZLLM_PLUGIN_API = "1.3"', 'ZLLM_PLUGIN_API = "2.0"'))
         path.write_text(text, encoding="utf-8")
     assert 'ZLLM_PLUGIN_API = "2.0"' in (dst / "src" / "zllm_backend_example2" / "plugin.py").read_text()
     return dst
@@ -94,14 +94,14 @@ def test_example_backend_is_discovered_and_api2_copy_is_skipped_with_warning(ven
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["example"]["status"] == "loaded", rows["example"]
     assert (rows["example"]["distribution"], rows["example"]["version"]) == ("zllm-backend-example", "0.1.0")
-    assert rows["example"]["kind"] == "backend:example" and rows["example"]["api"] == "1.2"
+    assert rows["example"]["kind"] == "backend:example" and rows["example"]["api"] == "1.3"
     assert set(rows["example"]["requires_core"].split(",")) == {">=0.1", "<0.2"}
     assert rows["cpu"]["status"] == rows["llama"]["status"] == "loaded"
 
     assert rows["example2"]["status"] == "skipped"
     assert (
         "warning: zllm plugin 'example2' (zllm-backend-example2 0.1.0) skipped: "
-        "targets plugin API 2.0 but this zllm-core speaks 1.2"
+        "targets plugin API 2.0 but this zllm-core speaks 1.3"
     ) in proc.stderr
 
 

@@ -126,7 +126,8 @@ def test_follow_up_turns_land_on_the_replica_holding_the_conversation(dp):
 
 def test_health_and_metrics_describe_the_whole(dp):
     assert [r["up"] for r in replicas(dp)] == [True, True]
-    stream_text(dp, "The cat")
+    for prompt in ("The cat", "The dog"):  # idle replicas take turns: each serves one of these
+        stream_text(dp, prompt)
     metrics = dp.metrics()
     assert metrics['zllm_dp_replica_up{replica="0"}'] == metrics['zllm_dp_replica_up{replica="1"}'] == 1
     per_replica = [metrics[f'zllm_generation_tokens_total{{replica="{i}"}}'] for i in (0, 1)]

@@ -8,7 +8,8 @@
  * nibble and weight j + 16 in its high nibble, w = d * (q - 8); Q4_1: f16 d + f16 m + the
  * Q4_0 nibbles, w = d * q + m; Q5_0: f16 d + a little-endian uint32 qh whose bit i is bit 4
  * of weight i + the Q4_0 nibbles as the low 4 bits, w = d * (q - 16); Q5_1: f16 d + f16 m +
- * qh + nibbles, w = d * q + m).
+ * qh + nibbles, w = d * q + m). The GGUF k-quants' row kernels (Q2_K .. Q6_K) are in
+ * kquant_gemv.c, under this file's contract.
  *
  * The block formats take integer dot products: converting every int8 / nibble to f32 made the loop
  * instruction-bound (~12 cycles a Q8_0 block, 8.4 GB/s on one core). Instead x is quantized
@@ -348,22 +349,27 @@ DENSE_ENTRY(f16, uint16_t, 2)
  * XQ_STACK_BYTES (T * K up to 7K: every decode step of a small model), else from malloc. */
 #define XQ_STACK_BYTES (16 << 10)
 
+void gemv_quantized(const void *w, int64_t ws, const float *x, int64_t xs, const float *bias, float *y,
+                    int64_t t, int64_t n, int64_t k, int64_t row_bytes, int threads, rows_fn rows) {
+    if (n <= 0 || t <= 0) return;
+    const size_t bytes = (size_t)(t * k) * sizeof(int16_t) + (size_t)(t * (k / 32)) * sizeof(float);
+    _Alignas(32) unsigned char stack[XQ_STACK_BYTES];
+    unsigned char *buf = bytes <= sizeof stack ? stack : malloc(bytes);
+    if (!buf) {
+        for (int64_t i = 0; i < t * n; i++) y[i] = NAN;
+        return;
+    }
+    const gemv_args a = {w, ws, x, xs, (int16_t *)buf, (float *)(buf + (size_t)(t * k) * sizeof(int16_t)),
+                         bias, y, t, n, k};
+    gemv_split(&a, row_bytes, threads, rows);
+    if (buf != stack) free(buf);
+}
+
 /* Block formats (K a multiple of 32). If the quantized x cannot be allocated, y is NaN. */
 #define QUANT_ENTRY(NAME, FORMAT, BLOCK_BYTES)                                                 \
 void zllm_gemv_##NAME(const uint8_t *w, int64_t ws, const float *x, int64_t xs, const float *bias, \
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {                 \
-    if (n <= 0 || t <= 0) return;                                                               \
-    const size_t bytes = (size_t)(t * k) * sizeof(int16_t) + (size_t)(t * (k / 32)) * sizeof(float); \
-    _Alignas(32) unsigned char stack[XQ_STACK_BYTES];                                           \
-    unsigned char *buf = bytes <= sizeof stack ? stack : malloc(bytes);                         \
-    if (!buf) {                                                                                 \
-        for (int64_t i = 0; i < t * n; i++) y[i] = NAN;                                         \
-        return;                                                                                 \
-    }                                                                                           \
-    const gemv_args a = {w, ws, x, xs, (int16_t *)buf, (float *)(buf + (size_t)(t * k) * sizeof(int16_t)), \
-                         bias, y, t, n, k};                                                     \
-    gemv_split(&a, k / 32 * (BLOCK_BYTES), threads, gemv_rows(FORMAT));                           \
-    if (buf != stack) free(buf);                                                                \
+    gemv_quantized(w, ws, x, xs, bias, y, t, n, k, k / 32 * (BLOCK_BYTES), threads, gemv_rows(FORMAT)); \
 }
 
 QUANT_ENTRY(q8_0, GEMV_Q8_0, 34)
@@ -376,13 +382,31 @@ QUANT_ENTRY(q5_1, GEMV_Q5_1, 24)
 
 rows_fn gemv_rows(int format) {
     static const rows_fn table[GEMV_NFORMATS] = {rows_f32, rows_f16, rows_bf16, rows_q8_0, rows_q4_0,
-                                                 rows_q4_1, rows_q5_0, rows_q5_1};
+                                                 rows_q4_1, rows_q5_0, rows_q5_1, gemv_rows_q2_k,
+                                                 gemv_rows_q3_k, gemv_rows_q4_k, gemv_rows_q5_k, gemv_rows_q6_k};
     if (format < 0 || format >= GEMV_NFORMATS) return 0;
     const rows_fn wide = native_isa_level >= ISA_AVX512 ? gemv_rows_avx512(format) : 0;
     return wide ? wide : table[format];
 }
 
 int gemv_is_block(int format) { return format >= GEMV_Q8_0; }
+
+int64_t gemv_row_bytes(int format, int64_t k) {
+    switch (format) {
+    case GEMV_F32: return 4 * k;
+    case GEMV_F16: case GEMV_BF16: return 2 * k;
+    case GEMV_Q8_0: return k / 32 * 34;
+    case GEMV_Q4_0: return k / 32 * 18;
+    case GEMV_Q4_1: return k / 32 * 20;
+    case GEMV_Q5_0: return k / 32 * 22;
+    case GEMV_Q5_1: return k / 32 * 24;
+    case GEMV_Q2_K: return k / 256 * 84;
+    case GEMV_Q3_K: return k / 256 * 110;
+    case GEMV_Q4_K: return k / 256 * 144;
+    case GEMV_Q5_K: return k / 256 * 176;
+    default: return k / 256 * 210; /* Q6_K */
+    }
+}
 
 void gemv_quantize_rows(const float *x, int64_t xs, int64_t t, int64_t k, int16_t *xq, float *xsc) {
     for (int64_t i = 0; i < t; i++)

@@ -1,7 +1,8 @@
-/* The row kernels of gemv.c, for the other native kernels that multiply by weights in their
- * stored formats (moe.c): one call's operands, the per-format function computing a range of
- * output rows for every token, and the int16 quantization of activations that the block
- * formats take. Numerics and reduction orders are gemv.c's (its file comment). */
+/* The row kernels of gemv.c (and of kquant_gemv.c, the GGUF k-quants), for the other native
+ * kernels that multiply by weights in their stored formats (moe.c): one call's operands, the
+ * per-format function computing a range of output rows for every token, and the int16
+ * quantization of activations that the block formats take. Numerics and reduction orders are
+ * gemv.c's (its file comment). */
 #ifndef ZLLM_NATIVE_GEMV_H
 #define ZLLM_NATIVE_GEMV_H
 
@@ -26,7 +27,8 @@ typedef struct {
 typedef void (*rows_fn)(const gemv_args *a, int64_t r0, int64_t r1);
 
 /* Weight formats, in the order of zllm_backend_cpu.kernels.GEMV_FORMATS. */
-enum { GEMV_F32, GEMV_F16, GEMV_BF16, GEMV_Q8_0, GEMV_Q4_0, GEMV_Q4_1, GEMV_Q5_0, GEMV_Q5_1, GEMV_NFORMATS };
+enum { GEMV_F32, GEMV_F16, GEMV_BF16, GEMV_Q8_0, GEMV_Q4_0, GEMV_Q4_1, GEMV_Q5_0, GEMV_Q5_1,
+       GEMV_Q2_K, GEMV_Q3_K, GEMV_Q4_K, GEMV_Q5_K, GEMV_Q6_K, GEMV_NFORMATS };
 
 #define GEMV_INTERNAL __attribute__((visibility("hidden")))
 
@@ -39,5 +41,19 @@ GEMV_INTERNAL rows_fn gemv_rows_avx512(int format);
 GEMV_INTERNAL int gemv_is_block(int format);
 /* x [T, K] (row stride xs, K a multiple of 32) -> xq [T, K] int16 and xsc [T, K / 32]. */
 GEMV_INTERNAL void gemv_quantize_rows(const float *x, int64_t xs, int64_t t, int64_t k, int16_t *xq, float *xsc);
+/* Bytes of one row of K weights in `format` (K a multiple of the format's block). */
+GEMV_INTERNAL int64_t gemv_row_bytes(int format, int64_t k);
+/* A block-format entry point's body: quantizes x [T, K] (row stride xs) and runs rows over the
+ * N rows of w (row stride ws bytes, row_bytes each) with gemv.c's thread split -> y [T, N]; y is
+ * NaN when the quantized x cannot be allocated. */
+GEMV_INTERNAL void gemv_quantized(const void *w, int64_t ws, const float *x, int64_t xs, const float *bias, float *y,
+                                  int64_t t, int64_t n, int64_t k, int64_t row_bytes, int threads, rows_fn rows);
+
+/* The k-quant row kernels (kquant_gemv.c). */
+GEMV_INTERNAL void gemv_rows_q2_k(const gemv_args *a, int64_t r0, int64_t r1);
+GEMV_INTERNAL void gemv_rows_q3_k(const gemv_args *a, int64_t r0, int64_t r1);
+GEMV_INTERNAL void gemv_rows_q4_k(const gemv_args *a, int64_t r0, int64_t r1);
+GEMV_INTERNAL void gemv_rows_q5_k(const gemv_args *a, int64_t r0, int64_t r1);
+GEMV_INTERNAL void gemv_rows_q6_k(const gemv_args *a, int64_t r0, int64_t r1);
 
 #endif

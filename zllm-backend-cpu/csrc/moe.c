@@ -1,10 +1,11 @@
 /* Native Mixture-of-Experts FFN: one call per layer runs every selected expert of every token
  * (gate and up GEMV, SiLU-and-mul, down GEMV), the weighted sum and the shared expert, with
  * the weights in their stored formats (gemv.h: f32, f16, bf16, GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 /
- * Q5_1). The routing (which experts, which weights) comes from the caller: the core's f32
- * router decides it, so every backend agrees on the experts. As llama.cpp's mul_mat_id
- * (ggml-cpu.c): the (token, slot) pairs are bucketed by expert, and only the selected experts'
- * rows are read, each once per call for all the tokens that selected it.
+ * Q5_1 and the k-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K). The routing (which experts, which
+ * weights) comes from the caller: the core's f32 router decides it, so every backend agrees on
+ * the experts. As llama.cpp's mul_mat_id (ggml-cpu.c): the (token, slot) pairs are bucketed by
+ * expert, and only the selected experts' rows are read, each once per call for all the tokens
+ * that selected it.
  *
  * Dimension legend: T tokens, K hidden size, E routed experts, k experts per token, N expert
  * width, Ns shared-expert width, P = T * k routed pairs (+ T shared pairs).
@@ -89,18 +90,6 @@ typedef struct {
     int64_t *b_left; /* per job: gate / up items not finished yet */
     int *h_state;    /* per job: its h quantized? 0 no, 1 in progress, 2 yes */
 } moe_ctx;
-
-static int64_t row_bytes(int fmt, int64_t k) {
-    switch (fmt) {
-    case GEMV_F32: return 4 * k;
-    case GEMV_F16: case GEMV_BF16: return 2 * k;
-    case GEMV_Q8_0: return k / 32 * 34;
-    case GEMV_Q4_0: return k / 32 * 18;
-    case GEMV_Q4_1: return k / 32 * 20;
-    case GEMV_Q5_0: return k / 32 * 22;
-    default: return k / 32 * 24; /* Q5_1 */
-    }
-}
 
 /* h = silu(g) * u over n values; the last n % 8 through a padded vector, as the others. */
 static void silu_mul_n(float *g, const float *u, int64_t n) {
@@ -255,9 +244,9 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     /* jobs: the selected experts in ascending index, then the shared expert */
     int njobs = 0;
     int64_t hoff = 0, hsoff = 0, items_b = 0, items_d = 0, selected_bytes = 0;
-    const int64_t gu_bytes = row_bytes((int)desc[3], k) + row_bytes((int)desc[7], k);
+    const int64_t gu_bytes = gemv_row_bytes((int)desc[3], k) + gemv_row_bytes((int)desc[7], k);
     const int64_t rows_b = ITEM_BYTES / (gu_bytes > 0 ? gu_bytes : 1) > 8 ? ITEM_BYTES / gu_bytes : 8;
-    const int64_t rows_d = ITEM_BYTES / row_bytes((int)desc[11], width) > 8 ? ITEM_BYTES / row_bytes((int)desc[11], width) : 8;
+    const int64_t rows_d = ITEM_BYTES / gemv_row_bytes((int)desc[11], width) > 8 ? ITEM_BYTES / gemv_row_bytes((int)desc[11], width) : 8;
     for (int64_t e = 0; e <= n_experts; e++) {
         const int is_shared = e == n_experts;
         if (is_shared ? !shared : count[e + 1] == count[e]) continue;
@@ -277,8 +266,8 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
         hsoff += (jb->p1 - jb->p0) * (jb->width / 32);
         items_b += (jb->width + rows_b - 1) / rows_b;
         items_d += (k + rows_d - 1) / rows_d;
-        selected_bytes += jb->width * (row_bytes(jb->fmt[GATE], k) + row_bytes(jb->fmt[UP], k)) +
-                          k * row_bytes(jb->fmt[DOWN], jb->width);
+        selected_bytes += jb->width * (gemv_row_bytes(jb->fmt[GATE], k) + gemv_row_bytes(jb->fmt[UP], k)) +
+                          k * gemv_row_bytes(jb->fmt[DOWN], jb->width);
     }
     /* a shared expert of another width takes the routed experts' rows per item: fine for the
      * split, which only needs items of similar size */

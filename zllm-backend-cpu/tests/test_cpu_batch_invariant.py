@@ -23,6 +23,7 @@ from zllm_backend_cpu.kernels.invariant import (
     linear_quant_invariant,
     silu_mul_invariant,
 )
+from zllm_backend_cpu.kernels.native import unavailable_reason
 
 
 def _weight(fmt: str, n: int, k: int, g: torch.Generator):
@@ -124,6 +125,7 @@ def test_every_cpu_capability_has_a_batch_invariant_kernel_and_mode_off_keeps_th
         assert inv.entry.batch_invariant and "batch-invariant" in inv.reason
         fast = reg.lookup(cap.op, "cpu", cap.variant)
         assert fast.entry.priority >= 0  # the invariant kernels sit below every fast one
-    assert reg.lookup("linear", "cpu", "q4_k").entry.name.endswith("linear:linear_quant")
-    invariant = reg.lookup("linear", "cpu", "q4_k", batch_invariant=True)
-    assert invariant.entry.name.endswith("invariant:linear_quant_invariant")
+    native = unavailable_reason() is None  # the native GEMV then serves every linear format
+    fast, invariant = (reg.lookup("linear", "cpu", "q4_k", batch_invariant=b) for b in (False, True))
+    assert fast.entry.name.endswith("gemv:linear_gemv" if native else "linear:linear_quant")
+    assert invariant.entry.name.endswith("gemv:linear_gemv_invariant" if native else "invariant:linear_quant_invariant")

@@ -24,6 +24,7 @@ from zllm_backend_cpu.kernels import moe_gemv  # noqa: E402
 from zllm_backend_cpu.kernels.moe_gemv import moe_experts  # noqa: E402
 
 HIDDEN, WIDTH, SHARED_WIDTH = 64, 32, 96
+KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # rows of 256: their own case below
 
 
 def _shared(g: torch.Generator, fmt: str, hidden: int, width: int) -> SharedExperts:
@@ -49,7 +50,7 @@ def one_by_one(x, ids, weights, gate, up, down, shared=None, scale=None) -> torc
     t=st.integers(1, 12),
     e=st.sampled_from([1, 3, 8]),
     top_k=st.integers(1, 4),
-    formats=st.tuples(*[st.sampled_from(GEMV_FORMATS)] * 3),
+    formats=st.tuples(*[st.sampled_from([f for f in GEMV_FORMATS if f not in KQUANTS])] * 3),
     shared_fmt=st.sampled_from([None, "f32", "bf16", "q8_0", "q5_1"]),
     gated=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -74,7 +75,37 @@ def test_each_token_gets_its_slots_summed_expert_by_expert_even_with_repeated_id
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "q4_1"])
+@settings(max_examples=10, deadline=None)
+@given(
+    t=st.sampled_from([1, 1, 3, 9]),
+    top_k=st.integers(1, 3),
+    formats=st.tuples(*[st.sampled_from(KQUANTS)] * 3),
+    shared_fmt=st.sampled_from([None, "q6_k", "q8_0"]),
+    seed=st.integers(0, 2**16),
+)
+def test_kquant_experts_are_summed_expert_by_expert_within_the_int16_activation_bound(t, top_k, formats, shared_fmt,
+                                                                                     seed):
+    # Q4_K_M / Q5_K_M files mix k-quants (down in Q6_K) and 32-blocks (widths not a multiple of 256)
+    g = torch.Generator().manual_seed(seed)
+    hidden, width, e = 256, 256, 4
+    x = torch.randn(t, hidden, generator=g)
+    ids = torch.randint(0, e, (t, top_k), generator=g)
+    weights = torch.rand(t, top_k, generator=g)
+    gate = make_expert_stack(g, formats[0], e, width, hidden)
+    up = make_expert_stack(g, formats[1], e, width, hidden)
+    down = make_expert_stack(g, formats[2], e, hidden, width)
+    shared = None if shared_fmt is None else _shared(g, shared_fmt, hidden, 256)
+    scale = None if shared is None else torch.rand(t, 1, generator=g)
+    assert moe_gemv.native_formats(gate, up, down, shared)
+
+    out = moe_experts(x, ids, weights, gate, up, down, shared, scale)
+
+    # x and h quantized to int16 per block of 32: ~1e-5 relative of each product (test_cpu_gemv.py
+    # checks the per-product bound); outputs here are O(0.1)
+    torch.testing.assert_close(out, one_by_one(x, ids, weights, gate, up, down, shared, scale), atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q4_1", "q4_k"])
 def test_a_row_has_the_same_bits_alone_in_a_batch_in_chunks_and_with_any_thread_count(fmt, monkeypatch):
     # experts large enough (~0.5-1 MiB each) that the kernel splits the work over the threads
     g = torch.Generator().manual_seed(1)

@@ -1,10 +1,15 @@
 """``moe`` kernel (route, align, fused gate/up + SiLU-and-mul GEMM, down GEMM with the combine
 weights, shared experts) vs the f32 reference ``zllm.domain.moe.moe``, in the interpreter.
 
-Inputs: the conformance kit's ``moe`` cases per format (decode T=1 through T=33, tied router
-logits, grouped and biased routers, gated and ungated shared experts, a column-sliced ``x``)
-and hypothesis-drawn shapes (odd K and N for dense stacks, tiles of 4-16 pairs so blocks pad
-and experts span several blocks). Expert weights are read exactly and all math is f32, so the
+Inputs: the conformance kit's ``moe`` cases per dense and Q8_0 format (decode T=1 through
+T=33, tied router logits, grouped and biased routers, gated and ungated shared experts, a
+column-sliced ``x``; for the HF checkpoints' formats the same cases run with the CUDA and ROCm
+tunings in ``tests/backends/test_gpu_kernels_off_device.py``) and hypothesis-drawn shapes
+(odd K and N for dense stacks, tiles of 4-16 pairs so blocks pad and experts span several
+blocks; for the HF checkpoints' formats, several K steps and N tiles, FP8 blocks that cut
+rows and columns unevenly, int groups of 16 and 32 with and without zero points, act-order
+permutations of their own for each stack and expert, and gpt-oss's biased clamped SwiGLU).
+Expert weights are decoded exactly as the reference decodes them and all math is f32, so the
 differences are summation order: 1e-4.
 """
 
@@ -16,13 +21,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton_cases import random_q8_0, small_tuning
 
+from zllm.conformance import quantizers
 from zllm.conformance.cases import cases_for, make_expert_stack
 from zllm.domain.moe import moe as ref_moe
+from zllm.domain.moe_biased import moe_clamped_swiglu as ref_moe_clamped_swiglu
 from zllm.plugin_api import QuantizedTensor, RouterConfig, SharedExperts
 from zllm_kernels_triton.moe import align_block_size, moe
+from zllm_kernels_triton.moe_biased import moe_clamped_swiglu
 from zllm_kernels_triton.tuning import Tuning
 
 FORMATS = ["f32", "f16", "bf16", "q8_0"]
+HF_FORMATS = ["fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4"]
 
 
 def moe_tuning(block_m: int, block_n: int = 8, block_k: int = 32) -> Tuning:
@@ -127,3 +136,76 @@ def test_gate_up_and_down_stacks_may_each_have_their_own_format():
                            make_expert_stack(g, "q8_0", 1, 64, 32)[0])
     args = (x, logits, RouterConfig(4, 2), gate, up, down, None, shared)
     torch.testing.assert_close(moe(*args, tuning=moe_tuning(4)), ref_moe(*args), atol=1e-4, rtol=1e-4)
+
+
+def hf_stack(g: torch.Generator, fmt: str, e: int, n: int, k: int, group: int, block: tuple[int, int],
+             act_order: bool) -> QuantizedTensor:
+    """``[E, N, K]`` in ``fmt``: FP8 in ``block``s, int groups of ``group`` (symmetric at 16),
+    with act-order each expert gets its own random ``perm``."""
+    experts = []
+    for _ in range(e):
+        w = torch.randn(n, k, generator=g) / k**0.5
+        if fmt == "fp8_e4m3":
+            q = quantizers.quantize_fp8_e4m3(w, block)
+        elif fmt in ("int4_g", "int8_g"):
+            q = quantizers.quantize_int_g(w, int(fmt[3]), group, symmetric=group == 16)
+            if act_order:
+                q = QuantizedTensor({**q.parts, "perm": torch.randperm(k, generator=g)}, fmt, q.shape, block=q.block)
+        else:
+            q = quantizers.quantize(w, fmt)
+        experts.append(q)
+    parts = {name: torch.stack([q.parts[name] for q in experts]) for name in experts[0].parts}
+    return QuantizedTensor(parts, fmt, (e, n, k), block=experts[0].block)
+
+
+@st.composite
+def hf_moe_shapes(draw):
+    return dict(fmt=draw(st.sampled_from(HF_FORMATS)), e=draw(st.integers(1, 4)), t=draw(st.integers(1, 6)),
+                hidden=32 * draw(st.integers(1, 3)), width=32 * draw(st.integers(1, 2)),
+                group=draw(st.sampled_from([16, 32])), block=draw(st.sampled_from([(1, 32), (7, 40), (5, 16)])),
+                act_order=draw(st.booleans()), block_m=draw(st.sampled_from([4, 16])),
+                block_n=draw(st.sampled_from([8, 16])), clamped=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=6, deadline=None)
+@given(hf_moe_shapes())
+def test_hf_format_experts_match_reference_over_drawn_blocks_groups_and_act_order(s):
+    g = torch.Generator().manual_seed(s["seed"])
+    e, t, hidden, width = s["e"], s["t"], s["hidden"], s["width"]
+    quant = dict(group=s["group"], block=s["block"], act_order=s["act_order"])
+    gate, up = (hf_stack(g, s["fmt"], e, width, hidden, **quant) for _ in range(2))
+    down = hf_stack(g, s["fmt"], e, hidden, width, **quant)
+    x = torch.randn(t, hidden, generator=g)
+    tuning = moe_tuning(s["block_m"], s["block_n"])
+    k = min(e, 2)
+    if s["clamped"]:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, k], distinct per row
+        weights = torch.rand(t, k, generator=g).softmax(dim=-1)  # [T, k]
+        biases = (torch.randn(e, width, generator=g), torch.randn(e, width, generator=g),
+                  torch.randn(e, hidden, generator=g) * 0.1)
+        args = (x, ids, weights, gate, up, down, *biases, 1.702, 7.0)
+        got, expected = moe_clamped_swiglu(*args, tuning=tuning), ref_moe_clamped_swiglu(*args)
+    else:
+        args = (x, torch.randn(t, e, generator=g) * 2, RouterConfig(e, k), gate, up, down)
+        got, expected = moe(*args, tuning=tuning), ref_moe(*args)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gate_and_up_read_the_activations_each_through_its_own_act_order_permutation():
+    # gate has act-order, up and down do not: the up GEMM must read x unpermuted
+    g = torch.Generator().manual_seed(5)
+    gate = hf_stack(g, "int4_g", 3, 32, 64, 32, (1, 32), act_order=True)
+    up = hf_stack(g, "int4_g", 3, 32, 64, 32, (1, 32), act_order=False)
+    down = hf_stack(g, "int8_g", 3, 64, 32, 16, (1, 16), act_order=True)
+    args = (torch.randn(5, 64, generator=g), torch.randn(5, 3, generator=g), RouterConfig(3, 2), gate, up, down)
+    torch.testing.assert_close(moe(*args, tuning=moe_tuning(4)), ref_moe(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_a_stack_in_a_format_the_kernels_do_not_decode_is_rejected_naming_it():
+    g = torch.Generator().manual_seed(6)
+    gate = make_expert_stack(g, "q4_k", 2, 32, 256)
+    up = make_expert_stack(g, "mxfp4", 2, 32, 256)
+    down = make_expert_stack(g, "mxfp4", 2, 256, 32)
+    with pytest.raises(AssertionError, match="gate_exps: format 'q4_k' .*q8_0, fp8_e4m3, int4_g, int8_g, mxfp4, nvfp4"):
+        moe(torch.randn(2, 256), torch.randn(2, 2), RouterConfig(2, 1), gate, up, down)
+

@@ -26,12 +26,16 @@ from zllm.domain.ops import CORE_OPS
 from zllm.domain.rope import apply_rope, apply_rope_gptj
 from zllm.kernels.registry import KernelRegistry
 from zllm_kernels_triton import OPS, Tuning, kernel_table
+from zllm_kernels_triton.moe import EXPERT_FORMATS
+from zllm_kernels_triton.quant_hf import FORMAT_CODES
+from zllm_kernels_triton.table import HF_FORMATS
 
 EXPECTED = {
     ("rms_norm", "f32"), ("add_rms_norm", "f32"), ("rope", "neox"), ("rope", "gptj"), ("silu_mul", "f32"),
     ("attention", "paged"), ("attention_sliding", "paged"), ("linear", "q8_0"),
     ("moe", "f32"), ("moe", "f16"), ("moe", "bf16"), ("moe", "q8_0"), ("mla_attention", "paged"),
-    *(("linear", fmt) for fmt in ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")),
+    *((op, fmt) for op in ("linear", "moe", "moe_clamped_swiglu")
+      for fmt in ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")),
     ("attention_sinks", "paged"), ("swiglu_clamped", "f32"), ("router_topk_softmax", "f32"),
     ("moe_clamped_swiglu", "f32"), ("moe_clamped_swiglu", "f16"), ("moe_clamped_swiglu", "bf16"),
     ("moe_clamped_swiglu", "q8_0"),
@@ -85,6 +89,11 @@ def test_kernel_table_covers_exactly_the_promised_ops_once():
     pairs = [(op, variant) for op, variants, _ in rows for variant in variants]
     assert len(pairs) == len(set(pairs)) and set(pairs) == EXPECTED
     assert [(op, variants) for op, variants, _ in rows] == [(op, variants) for op, variants, _ in OPS]
+
+
+def test_the_hf_formats_registered_are_the_ones_the_kernels_decode():
+    assert tuple(FORMAT_CODES) == HF_FORMATS
+    assert dict(((op, variants) for op, variants, _ in OPS if op == "moe")) == {"moe": EXPERT_FORMATS}
 
 
 def test_every_row_runs_and_matches_the_reference():

@@ -22,7 +22,7 @@ from zllm_backend_cpu.kernels import (
 )
 from zllm_backend_cpu.kernels.native import isa_description, unavailable_reason
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 BACKEND = "cpu"
 DISTRIBUTION = "zllm-backend-cpu"
 

@@ -7,7 +7,7 @@ whole :data:`~zllm_kernels_torch.table.TORCH_KERNELS`.
 from zllm_kernels_torch.hooks import backend_hooks
 from zllm_kernels_torch.table import TORCH_KERNELS
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 
 zllm_backends, zllm_register_kernels = backend_hooks(
     "metal", "zllm_backend_metal.backend:MetalBackend", list(TORCH_KERNELS), priority=10,

@@ -15,4 +15,5 @@ KERNELS = torch_rows(GPU_TORCH_CAPABILITIES) + lazy_rows("zllm_backend_rocm.kern
 
 zllm_backends, zllm_register_kernels = backend_hooks(
     "rocm", "zllm_backend_rocm.backend:RocmBackend", KERNELS, priority=20, registered_by="zllm-backend-rocm",
-    description="AMD GPUs (ROCm/HIP): Triton kernels + rocBLAS GEMMs; weights f32/f16/bf16/Q8_0")
+    description="AMD GPUs (ROCm/HIP): Triton kernels + rocBLAS GEMMs; weights f32/f16/bf16/Q8_0; "
+                "FP8, INT4/INT8 groups, MXFP4, NVFP4 in linear and the MoE experts")

@@ -39,6 +39,7 @@ from zllm.spec.errors import ConfigError
 from zllm.weights.formats import FORMATS
 
 if TYPE_CHECKING:
+    from zllm.capabilities import Capability
     from zllm.plugins.host import PluginHost
 
 if sys.version_info >= (3, 11):
@@ -238,6 +239,26 @@ def _core_version() -> str:
         return "unknown"
 
 
+#: The dense format a quantized HF checkpoint keeps its embeddings in: no HF quantization method
+#: zllm reads quantizes the embedding table (transformers' ``fp8``, compressed-tensors, GPTQ,
+#: AWQ, modelopt and gpt-oss's ``mxfp4`` quantize linear layers or experts only).
+HF_EMBEDDING_FORMAT = "bf16"
+
+
+def column_capabilities(family: Any, column: str, weight_fmt: str) -> frozenset[Capability]:
+    """What a model of ``family`` stored as matrix column ``column`` needs: every weight in
+    ``weight_fmt`` (``format_capabilities``), except that a quantized HF checkpoint's embedding
+    table stays dense (:data:`HF_EMBEDDING_FORMAT`), as the loader will find it."""
+    from zllm.capabilities import Capability
+    from zllm.domain.ops import without_retired
+
+    needed = without_retired(family.format_capabilities(weight_fmt))
+    if column.startswith("hf-") and weight_fmt in FORMATS:
+        embedding = {c for c in needed if c.op == "embedding"}
+        needed = (needed - embedding) | {Capability("embedding", HF_EMBEDDING_FORMAT)} if embedding else needed
+    return frozenset(needed)
+
+
 def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatrix:
     """Build the matrix for every loaded family and backend of ``host``.
 
@@ -250,7 +271,6 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
     # Imported here, not at module level, so that tools/check_verified.py can use
     # load_verified without importing torch.
     from zllm.capabilities import missing_capabilities
-    from zllm.domain.ops import without_retired
     from zllm.plugins.hookspecs import PLUGIN_API_VERSION
 
     if verified is not None:
@@ -274,7 +294,7 @@ def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatr
         for be_name in sorted(host.backends):
             provided = host.backends[be_name].capabilities
             for fmt, weight_fmt in FORMAT_AXIS.items():
-                needed = without_retired(family.format_capabilities(weight_fmt))
+                needed = column_capabilities(family, fmt, weight_fmt)
                 missing = tuple(missing_capabilities(needed, provided))
                 claim = claims.pop((fam_name, be_name, fmt), None)
                 kernel_tests = [checked.get((be_name, str(c))) for c in sorted(needed)]
@@ -366,6 +386,9 @@ def _render_md(matrix: CompatMatrix) -> str:
         " *kernel-verified* (every kernel the cell binds ran against the f32 reference without a device:"
         " Triton kernels in Triton's interpreter, torch kernels on CPU tensors; no device ran the model),"
         " *declared* (capabilities match, nothing ran), *unsupported* (names the missing capabilities).",
+        "",
+        "A column is how a checkpoint stores its weights; a quantized HF column (`hf-fp8`, `hf-gptq-int4` ...)"
+        f" keeps its embedding table in {HF_EMBEDDING_FORMAT}, as those quantization methods do.",
         "",
         "## Plugins",
         "",

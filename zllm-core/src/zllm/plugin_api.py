@@ -4,7 +4,7 @@ Backends and model families import this module only (an import-linter contract e
 it), so the core can reorganise its internals without breaking plugins. Declare the API
 you target in your plugin module::
 
-    ZLLM_PLUGIN_API = "1.2"
+    ZLLM_PLUGIN_API = "1.3"
 
 and implement hooks from :mod:`zllm.plugins.hookspecs` decorated with :data:`hookimpl`.
 """

@@ -130,17 +130,50 @@ def _gptq(tmp_path: Path, drop: str | None = None, **changes) -> Path:
     ({"quant_method": "fbgemm_fp8"}, "'fbgemm_fp8'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "weird": 1}, "unknown field 'weird'"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version 'exllama' is not supported; supported: gemm"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+    ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"}}}},
-     "format 'int-quantized' (config_groups.g) is not supported; supported: float-quantized, pack-quantized"),
+     "format 'naive-quantized' (config_groups.g) is not supported; supported: float-quantized, int-quantized, "),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
-     "quant_algo 'W4A8_AWQ' is not supported; supported: NVFP4"),
+     "quant_algo 'W4A8_AWQ' is not supported; supported: FP8, NVFP4"),
 ])
 def test_unknown_method_format_or_field_names_it_and_lists_what_is_supported(tmp_path, qconfig, named):
     path = _write(tmp_path, {"x.weight": torch.zeros(2, 2)}, qconfig)
     with pytest.raises(CheckpointError) as err:
         open_checkpoint(path)
     assert str(path / "config.json") in str(err.value) and named in str(err.value)
+
+
+def _w8a8(tmp_path: Path, drop: str | None = None, symmetric: bool = True, **changes) -> Path:
+    """compressed-tensors int-quantized W8A8: int8 weight [N, K], weight_scale [N, 1] per channel."""
+    tensors = {"m.weight": torch.tensor(Q, dtype=torch.int8) - 8, "m.weight_scale": torch.tensor(S).reshape(N, 1)}
+    if drop:
+        del tensors[drop]
+    tensors.update(changes.pop("tensors", {}))
+    int8 = {"num_bits": 8, "type": "int", "symmetric": symmetric}
+    qconfig = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
+        "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}
+    return _write(tmp_path, tensors, qconfig)
+
+
+def _modelopt_fp8(tmp_path: Path, drop: str | None = None, **changes) -> Path:
+    tensors = {"m.weight": torch.zeros(N, K, dtype=torch.float8_e4m3fn), "m.weight_scale": torch.tensor(0.5),
+               "m.input_scale": torch.tensor(1.0)}
+    if drop:
+        del tensors[drop]
+    tensors.update(changes.pop("tensors", {}))
+    return _write(tmp_path, tensors, {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]})
+
+
+def test_w8a8_int8_weights_fold_to_int8_g_with_the_activation_note(tmp_path):
+    # int8 v is stored offset by 128 against a zero point of 128: (v + 128) - 128 = v, exactly.
+    ckpt = open_checkpoint(_w8a8(tmp_path))
+    w = ckpt.tensor("m.weight")
+    assert w.fmt == "int8_g" and w.nbytes == ckpt.tensor_nbytes("m.weight") == N * K + N * 4 + N
+    assert torch.equal(dequantize(w), torch.tensor([[S[n] * (Q[n][k] - 8) for k in range(K)] for n in range(N)]))
+    assert ckpt.quantization_notes == (
+        "activations kept in f32, not quantized to int8 per token (dynamic) as the checkpoint's config says: its "
+        "weights run weight-only (dequantized-weight semantics, not the quantized-activation matmul)",)
 
 
 @pytest.mark.parametrize(("build", "tensor", "what"), [
@@ -161,6 +194,15 @@ def test_unknown_method_format_or_field_names_it_and_lists_what_is_supported(tmp
                       {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
                           "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}}),
      "m.weight_packed", "packed shape [8, 2] disagrees with weight_shape [8, 8]"),
+    (lambda p: _w8a8(p, drop="m.weight_scale"), "m.weight", "scale 'm.weight_scale' is missing"),
+    (lambda p: _w8a8(p, tensors={"m.weight_scale": torch.ones(N)}), "m.weight_scale",
+     "scale has shape [8]; expected [8, 1] for strategy 'channel'"),
+    (lambda p: _w8a8(p, tensors={"m.weight_scale": torch.ones(N, 1, dtype=torch.int32)}), "m.weight_scale",
+     "scale stored as I32; expected F32 or F16 or BF16"),
+    (lambda p: _w8a8(p, symmetric=False), "m.weight", "zero point 'm.weight_zero_point' is missing"),
+    (lambda p: _modelopt_fp8(p, drop="m.weight_scale"), "m.weight", "FP8 per-tensor scale 'm.weight_scale' is missing"),
+    (lambda p: _modelopt_fp8(p, tensors={"m.weight_scale": torch.ones(N, 1)}), "m.weight_scale",
+     "modelopt FP8 has one scale per tensor"),
 ])
 def test_bad_quantized_tensors_name_the_file_the_tensor_and_the_problem(tmp_path, build, tensor, what):
     path = build(tmp_path)

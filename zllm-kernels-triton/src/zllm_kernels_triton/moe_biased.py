@@ -15,7 +15,9 @@ padded per block by :func:`~zllm_kernels_triton.moe.align_block_size`) with each
 bias added in the epilogue and the clamped SwiGLU in place of SiLU-and-mul: the gate/up GEMM
 writes ``h[p] = swiglu_clamped(x gate_e^T + bg_e, x up_e^T + bu_e)``, the down GEMM
 ``w[p] * (h down_e^T + bd_e)``, then each token sums its ``k`` rows. Weights are read in
-their stored format (f32, f16, bf16, Q8_0) inside the GEMMs; biases and accumulation f32.
+their stored format inside the GEMMs (f32, f16, bf16, Q8_0 and the HF checkpoints' formats,
+:data:`~zllm_kernels_triton.moe.EXPERT_FORMATS`: gpt-oss's MXFP4 experts stay MXFP4); biases
+and accumulation f32.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def moe_clamped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     Args:
         x: f32 ``[T, K]``, row-strided views allowed.
         topk_ids: int64 ``[T, k]``; topk_weights: f32 ``[T, k]``.
-        gate_exps, up_exps: ``[E, N, K]``; down_exps: ``[E, K, N]`` — each f32/f16/bf16 or Q8_0.
+        gate_exps, up_exps: ``[E, N, K]``; down_exps: ``[E, K, N]`` — each in one of
+            :data:`~zllm_kernels_triton.moe.EXPERT_FORMATS`.
         gate_bias, up_bias: ``[E, N]``; down_bias: ``[E, K]`` (any float dtype).
         alpha, limit: the clamped SwiGLU's gain and clamp.
         tuning: launch parameters (``moe_*``).

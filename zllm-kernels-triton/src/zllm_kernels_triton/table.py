@@ -12,6 +12,10 @@ from collections.abc import Callable
 
 from zllm_kernels_triton.tuning import Tuning
 
+#: The HF checkpoints' quantized formats (``zllm.weights.formats``) the kernels of
+#: :mod:`.quant_hf` decode: ``linear`` and the fused MoE's expert stacks.
+HF_FORMATS = ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")
+
 #: ``(op, variants, "module:function")`` of every kernel, in registration order.
 OPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("rms_norm", ("f32",), "norm:rms_norm"),
@@ -22,13 +26,13 @@ OPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention", ("paged",), "attention:attention"),
     ("attention_sliding", ("paged",), "attention:attention_sliding"),
     ("linear", ("q8_0",), "quant_matmul:linear_q8_0"),
-    ("linear", ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4"), "quant_hf:linear_quant_hf"),
-    ("moe", ("f32", "f16", "bf16", "q8_0"), "moe:moe"),
+    ("linear", HF_FORMATS, "quant_hf:linear_quant_hf"),
+    ("moe", ("f32", "f16", "bf16", "q8_0", *HF_FORMATS), "moe:moe"),
     ("mla_attention", ("paged",), "mla:mla_attention"),
     ("attention_sinks", ("paged",), "attention:attention_sinks"),
     ("swiglu_clamped", ("f32",), "activation:swiglu_clamped"),
     ("router_topk_softmax", ("f32",), "moe_biased:router_topk_softmax"),
-    ("moe_clamped_swiglu", ("f32", "f16", "bf16", "q8_0"), "moe_biased:moe_clamped_swiglu"),
+    ("moe_clamped_swiglu", ("f32", "f16", "bf16", "q8_0", *HF_FORMATS), "moe_biased:moe_clamped_swiglu"),
 )
 
 

@@ -13,7 +13,7 @@ Three things make a backend plugin:
 
 from zllm.plugin_api import BackendInfo, Capability, KernelRegistry, hookimpl
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 BACKEND = "example"
 DISTRIBUTION = "zllm-backend-example"
 

@@ -33,8 +33,9 @@ DENSE = tuple(DTYPE_OF_FORMAT)
 # every registered format: row-tile decoders in .linear (GGUF k-quants in .kquants, the HF
 # checkpoints' formats in .quant_hf); tests/test_cpu_kernels_table.py checks each has one
 QUANT_FORMATS = tuple(FORMATS)
-# native GEMV (.gemv): one zllm_gemv_<format> each (csrc/gemv.c)
-GEMV_FORMATS = (*DENSE, "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# native GEMV (.gemv): one zllm_gemv_<format> each (csrc/gemv.c; the k-quants csrc/kquant_gemv.c),
+# in the order of csrc/gemv.h's format enum
+GEMV_FORMATS = (*DENSE, "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 # native GEMV + row-tile decode of the HF checkpoints' formats (.quant_gemv, csrc/quant_gemv.c)
 QUANT_GEMV_FORMATS = ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")
 # formats whose native row kernels (linear, moe) also have AVX-512 versions, chosen when the

@@ -21,7 +21,7 @@ token, ``N`` expert width, ``n_e`` rows routed to expert ``e``, ``RT`` rows of a
 :func:`moe` and :func:`moe_invariant` differ only in the ``linear`` / ``silu_mul`` kernels
 they run (registered in :mod:`zllm_backend_cpu.kernels`); ``moe_gemv`` of :mod:`.moe_gemv` runs
 this algorithm in one native call per layer (``csrc/moe.c``) and uses :func:`moe_kernel`'s loop
-only for weights the native GEMV does not have (k-quants).
+only for weights the native GEMV does not have (the HF checkpoints' formats of :mod:`.quant_gemv`).
 
 The batch-invariant kernels make every output row bit-identical whatever else is in the batch: the router
 and the shared-expert gate run over fixed ``[RT, E]`` / ``[RT, 1]`` tiles (an elementwise

@@ -15,15 +15,19 @@ the reference. Prefill takes the same kernel, :data:`MOE_CHUNK_TOKENS` tokens a 
 bounds its scratch): its buckets hold a few to a few dozen rows each, where the row kernels
 (weights widened once per pair of rows, in L1) beat a torch GEMM per expert with its tile
 decode and dispatches (measured 4-20x on the benchmark's Qwen3-MoE layer at 32-128 tokens, 2
-threads, on a busy machine). Weights in a format the native GEMV does not have (k-quants) take
-:mod:`.moe`'s per-expert loop over the torch ``linear`` kernels. Registered only when the
-native library loads.
+threads, on a busy machine). Every GGUF format runs natively, the k-quants included
+(``csrc/kquant_gemv.c``: decode of a Qwen3-MoE-shaped Q4_K layer at T=1 went from the
+per-expert loop's torch tile decode to one native call, see ``docs/performance.md``); weights in
+a format the native GEMV does not have (the HF checkpoints' formats of :mod:`.quant_gemv`) take
+:mod:`.moe`'s per-expert loop over their ``linear`` kernels. Registered only when the native
+library loads.
 
 Numerics: those of ``csrc/gemv.c`` for each product (dense formats: f32 products, ~1e-6 from
-the reference; block formats: ``x`` and the expert's hidden row ``h`` quantized to int16 per
-block of 32, ~1e-5 relative); every value is reduced in a fixed order that depends only on the
-shapes and formats, and each token's activations are quantized from its own rows, so an output
-row is bit-identical whatever else is in the call and whatever the thread count:
+the reference; block formats, k-quants included: ``x`` and the expert's hidden row ``h``
+quantized to int16 per block of 32, ~1e-5 relative); every value is reduced in a fixed order
+that depends only on the shapes and formats, and each token's activations are quantized from
+its own rows, so an output row is bit-identical whatever else is in the call and whatever the
+thread count:
 :func:`moe_gemv_invariant` runs the native kernel for every ``T``.
 """
 
@@ -57,7 +61,7 @@ _ARGTYPES = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, P, INT)
 
 
 def _gemv_or(native: Linear, fallback: Linear) -> Linear:
-    """``native`` for the formats the native GEMV has, ``fallback`` for the others (k-quants)."""
+    """``native`` for the formats the native GEMV has, ``fallback`` for the others."""
 
     def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         return (native if format_of(weight) in gemv.FORMATS else fallback)(x, weight, bias)
@@ -78,11 +82,12 @@ def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch
 
 _loop = moe_kernel(
     "moe_gemv_loop", _linear, elementwise.silu_mul, batch_invariant=False,
-    doc="The per-expert loop of :mod:`.moe` over the native GEMVs (k-quants: torch).",
+    doc="The per-expert loop of :mod:`.moe` over the native GEMVs and :mod:`.quant_gemv`.",
 )
 _loop_invariant = moe_kernel(
     "moe_gemv_loop_invariant", _gemv_or(gemv.linear_gemv_invariant, torch_linear_invariant), elementwise.silu_mul,
-    batch_invariant=True, doc="Batch-invariant per-expert loop (k-quants: the invariant torch ``linear``).",
+    batch_invariant=True,
+    doc="Batch-invariant per-expert loop (formats without a native GEMV: the invariant torch ``linear``).",
 )
 
 
@@ -182,9 +187,9 @@ def _moe_native(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConf
 def moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, router: RouterConfig, gate_exps: Weight,
              up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
              shared: SharedExperts | None = None) -> torch.Tensor:
-    """The MoE FFN by the native kernel (module doc), k-quant weights by the per-expert loop; arguments as
-    :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError when the native library is
-    unavailable (the plugin registers this kernel only when it loads)."""
+    """The MoE FFN by the native kernel (module doc), weights of a format it lacks by the
+    per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`. Raises RuntimeError
+    when the native library is unavailable (the plugin registers this kernel only when it loads)."""
     return _moe_native(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared,
                        invariant=False)
 
@@ -193,8 +198,8 @@ def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: Rou
                        up_exps: Weight, down_exps: Weight, correction_bias: torch.Tensor | None = None,
                        shared: SharedExperts | None = None) -> torch.Tensor:
     """Batch-invariant :func:`moe_gemv`: the native kernel (batch-invariant itself), the router
-    and the shared-expert gate over fixed tiles; k-quant weights take the
-    batch-invariant per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`."""
+    and the shared-expert gate over fixed tiles; weights of a format the native kernel lacks take
+    the batch-invariant per-expert loop; arguments as :func:`~zllm_backend_cpu.kernels.moe.moe`."""
     return _moe_native(x, router_logits, router, gate_exps, up_exps, down_exps, correction_bias, shared,
                        invariant=True)
 

@@ -156,6 +156,8 @@ def _explain(engine) -> None:
         print(f"  {line.capability:<18} -> {line.kernel}  ({line.reason})", file=out)
     if loaded.checkpoint.quantization is not None:
         print(f"quantization: {loaded.checkpoint.quantization} (kept quantized)", file=out)
+    for note in loaded.checkpoint.quantization_notes:
+        print(f"quantization note: {note}", file=out)
     for name, why in loaded.checkpoint.skipped_tensors.items():
         print(f"skipped tensor: {name} ({why})", file=out)
     # A family may change a weight at load (DeepSeek dequantizes a kv_b_proj whose scale

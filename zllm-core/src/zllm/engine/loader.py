@@ -218,9 +218,10 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     ctx = cfg.runtime.context_length or model_ctx
     if ctx > model_ctx:
         raise ConfigError("runtime.context_length", f"{ctx} exceeds the model's context window of {model_ctx} tokens")
-    # Queried before the weights take their share; with the weights' size in memory (after the
-    # dtype conversion) it sizes a cache the config leaves to memory.
-    available = None if cfg.runtime.kv_cache.num_blocks else available_memory_bytes(backend, choice.info.name)
+    # Queried before the weights take their share; with the size of the weights this rank holds
+    # (its shards, after the dtype conversion) it sizes a cache the config leaves to memory.
+    available = None if cfg.runtime.kv_cache.num_blocks else available_memory_bytes(
+        backend, choice.info.name, local_ranks=launch.local_world_size if launch is not None else 1)
     if on_start is not None:
         on_start(sum(_nbytes(ckpt, n) for n in specs if n in present))
     weights = load_weights(ckpt, specs, cfg.model.dtype, on_tensor=on_tensor)
@@ -241,7 +242,7 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
                                  itemsize=kv_cache_dtype(cfg).itemsize, context_length=ctx,
                                  max_seqs=cfg.runtime.max_num_seqs + cfg.runtime.prefix_cache_seqs,
                                  available_bytes=available,
-                                 weight_bytes=sum(_nbytes(ckpt, n, formats[n]) for n in formats),
+                                 weight_bytes=sum(_held_bytes(w) for w in weights.values()),
                                  device=str(backend.device))
     if launch is not None:
         blocks = agree_num_blocks(blocks, backend.device, parallel, cfg.parallel.timeout_s)
@@ -317,13 +318,19 @@ def device_unsupported_capabilities(backend: object) -> dict[str, str]:
         raise PluginError(f"{cls}.unsupported_capabilities() failed: {type(exc).__name__}: {exc}") from None
 
 
-def _nbytes(ckpt: Checkpoint, name: str, fmt: str | None = None) -> int:
-    """Bytes of tensor ``name`` stored in ``fmt`` (default: the checkpoint's format)."""
+def _nbytes(ckpt: Checkpoint, name: str) -> int:
+    """Bytes of tensor ``name`` as the checkpoint stores it."""
     shape, stored = ckpt.tensor_shape_format(name)
-    fmt = fmt or stored
-    if fmt in FORMATS:
+    if stored in FORMATS:
         return ckpt.tensor_nbytes(name)
-    return math.prod(shape) * DTYPE_OF_FORMAT[fmt].itemsize
+    return math.prod(shape) * DTYPE_OF_FORMAT[stored].itemsize
+
+
+def _held_bytes(weight: torch.Tensor | QuantizedTensor) -> int:
+    """Bytes a loaded weight (or this rank's shard of it) occupies."""
+    if isinstance(weight, QuantizedTensor):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
 
 
 def _place(backend, w):
@@ -337,18 +344,19 @@ def kv_cache_dtype(cfg: ZllmConfig) -> torch.dtype:
     return DTYPE_OF_FORMAT[cfg.runtime.kv_cache.dtype]
 
 
-def available_memory_bytes(backend: object, name: str) -> int:
+def available_memory_bytes(backend: object, name: str, local_ranks: int = 1) -> int:
     """Bytes the backend's device can still allocate: the backend instance's optional
-    ``available_memory_bytes()`` (a GPU backend asks its driver), else the host's available
-    RAM (``psutil.virtual_memory().available``: free plus reclaimable page cache), which is
-    what a CPU — or a unified-memory GPU — allocates from.
+    ``available_memory_bytes()`` (a GPU backend asks its driver about its own device), else
+    this rank's share of the host's available RAM (``psutil.virtual_memory().available``:
+    free plus reclaimable page cache, divided among the ``local_ranks`` ranks of this node,
+    which all allocate from it), what a CPU — or a unified-memory GPU — allocates from.
 
     Raises:
         PluginError: the backend's method raised or returned no int >= 0 (names the backend).
     """
     query = getattr(backend, "available_memory_bytes", None)
     if query is None:
-        return int(psutil.virtual_memory().available)
+        return int(psutil.virtual_memory().available) // max(1, local_ranks)
     try:
         value = query()
     except Exception as exc:  # a failing device query is the plugin's error, reported as one

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 #: The plugin API the core speaks. A plugin whose ``ZLLM_PLUGIN_API`` has another major
 #: is skipped with a warning; a newer minor is accepted only if it is <= this minor.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 2)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 3)
 
 PROJECT = "zllm"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -71,6 +71,13 @@ class Checkpoint(abc.ABC):
         return None
 
     @property
+    def quantization_notes(self) -> tuple[str, ...]:
+        """Lines for ``--explain`` on where zllm runs a quantized HF checkpoint differently from
+        what its config describes (activations the config quantizes are kept in f32); empty
+        for other checkpoints."""
+        return ()
+
+    @property
     def skipped_tensors(self) -> dict[str, str]:
         """Tensors the files hold that are no weights, left out of :meth:`tensor_names`:
         name -> why (for ``--explain``). Empty unless a format says otherwise."""

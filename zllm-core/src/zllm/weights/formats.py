@@ -231,13 +231,14 @@ def _int_format(bits: int) -> WeightFormat:
     return WeightFormat(
         name=f"int{bits}_g",
         summary=f"{bits}-bit integers in groups of g columns with an f32 scale and a zero point each "
-                "(GPTQ, AWQ, compressed-tensors pack-quantized)",
+                "(GPTQ, AWQ, compressed-tensors pack-quantized; int-quantized W8A8 weights, run weight-only)",
         parts=(Part("qweight", torch.uint8, f"[*lead, N, {packed}]", ROW),
                Part("scales", torch.float32, "[*lead, N, K/g]", ROW),
                Part("zeros", torch.uint8, "[*lead, N, K/g]", ROW),
                Part("perm", torch.int64, "[*lead, K]", UNROWED, optional=True)),
         part_shapes=_int_shapes(bits), bits=bits, reference="zllm.domain.quant_hf:dequantize_int_g",
-        columns=(f"hf-gptq-int{bits}", *(("hf-awq-int4",) if bits == 4 else ()), f"hf-ct-int{bits}"),
+        columns=(f"hf-gptq-int{bits}", *(("hf-awq-int4",) if bits == 4 else ()), f"hf-ct-int{bits}",
+                 *(("hf-ct-w8a8",) if bits == 8 else ())),
         column_multiple=2 if bits == 4 else 1,
     )  # fmt: skip
 
@@ -258,11 +259,11 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat(
         name="fp8_e4m3",
         summary="FP8 E4M3FN with f32 scales per block, channel or tensor (HF fp8, compressed-tensors "
-                "float-quantized)",
+                "float-quantized, modelopt FP8)",
         parts=(Part("qweight", torch.uint8, "[*lead, N, K]", ROW),
                Part("scale", torch.float32, "[*lead, ceil(N/bn), ceil(K/bk)]", BLOCK_ROW)),
         part_shapes=_fp8_shapes, bits=8, reference="zllm.domain.quant_hf:dequantize_fp8_e4m3",
-        columns=("hf-fp8", "hf-ct-fp8"),
+        columns=("hf-fp8", "hf-ct-fp8", "hf-modelopt-fp8"),
     ),
     _int_format(4),
     _int_format(8),

@@ -291,6 +291,10 @@ class HFCheckpoint(Checkpoint):
         return f"{self._quant.method}: {kinds}; the rest dense"
 
     @property
+    def quantization_notes(self) -> tuple[str, ...]:
+        return () if self._quant is None else self._quant.notes
+
+    @property
     def skipped_tensors(self) -> dict[str, str]:
         return dict(self._skipped)
 

@@ -7,7 +7,7 @@ architecture llama.cpp writes for both (``deepseek2``, :mod:`zllm_model_deepseek
 from zllm.plugin_api import FamilyInfo, hookimpl
 from zllm_model_deepseek.gguf import GGUF_ARCHITECTURES
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 
 
 @hookimpl

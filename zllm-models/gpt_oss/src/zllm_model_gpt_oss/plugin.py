@@ -7,7 +7,7 @@ One family, HF ``model_type`` ``gpt_oss`` and the GGUF architecture ``gpt-oss``
 from zllm.plugin_api import FamilyInfo, hookimpl
 from zllm_model_gpt_oss.gguf import GGUF_ARCHITECTURES
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 
 
 @hookimpl

@@ -10,7 +10,7 @@ the file has experts).
 from zllm.plugin_api import FamilyInfo, hookimpl
 from zllm_model_llama.gguf import GGUF_ARCHITECTURES
 
-ZLLM_PLUGIN_API = "1.2"
+ZLLM_PLUGIN_API = "1.3"
 
 
 @hookimpl

@@ -18,7 +18,9 @@ Methods and their checkpoint tensors (``N`` out-features, ``K`` in-features, ``g
   ``[ceil(N/bn), ceil(K/bk)]`` for ``weight_block_size: [bn, bk]``, ``[N, 1]`` per channel or
   one value per tensor; U8/F8_E8M0 scale bytes ``b`` mean ``2^(b - 127)``.
 - ``compressed-tensors`` (``format`` per config group or global): ``float-quantized`` (F8
-  ``weight`` + ``weight_scale``, strategy tensor/channel/block/group); ``pack-quantized``
+  ``weight`` + ``weight_scale``, strategy tensor/channel/block/group); ``int-quantized`` (W8A8:
+  I8 ``weight`` ``[N, K]`` + ``weight_scale`` per tensor, ``[N, 1]`` or ``[N, K/g]``, I8
+  ``weight_zero_point`` alike when asymmetric; run weight-only); ``pack-quantized``
   (``weight_packed`` I32 ``[N, ceil(K*b/32)]`` as ``pack_to_int32``: value ``v + 2^(b-1)`` at
   bits ``b*i`` of the little-endian stream, ``weight_shape`` I64 ``[2]``, ``weight_scale``
   ``[N, K/g]``, ``weight_zero_point`` packed the same way along dim 0, optional
@@ -37,11 +39,14 @@ Methods and their checkpoint tensors (``N`` out-features, ``K`` in-features, ``g
   ``[*L, N, K/32]`` -> the logical weight ``P`` of shape ``[*L, N, K]`` (rows = the blocks'
   rows, low nibble first).
 - ``modelopt`` ``quant_algo: NVFP4``: ``weight`` U8 ``[N, K/2]``, ``weight_scale`` F8_E4M3
-  ``[N, K/16]``, ``weight_scale_2`` F32 (the kernel's ``global_scale``).
+  ``[N, K/16]``, ``weight_scale_2`` F32 (the kernel's ``global_scale``); ``quant_algo: FP8``:
+  ``weight`` F8_E4M3 ``[N, K]``, ``weight_scale`` F32 scalar.
 
-Static activation scales (``input_scale``, ``activation_scale``, ``input_global_scale``) are
-read by nobody: zllm's quantized kernels take f32 activations (the dequantized-weight
-semantics), so they are skipped with that reason in ``--explain``. Modules a config leaves
+Static activation scales (``input_scale``, ``activation_scale``, ``input_global_scale``,
+``input_zero_point``) are read by nobody: zllm's quantized kernels take f32 activations (the
+dequantized-weight semantics), so they are skipped with that reason in ``--explain``; a config
+that quantizes activations (W8A8, modelopt FP8/NVFP4) adds a :attr:`QuantPlan.notes` line saying
+they stay f32. Modules a config leaves
 unquantized (``ignore``, ``modules_to_not_convert``, ``exclude_modules``) simply hold dense
 tensors and stay dense.
 """
@@ -54,9 +59,10 @@ from typing import Any
 
 from zllm.spec.errors import CheckpointError
 from zllm.weights.hf_quant.compressed_tensors import CT_FORMATS, plan_compressed_tensors
-from zllm.weights.hf_quant.fp4 import plan_modelopt, plan_mxfp4
+from zllm.weights.hf_quant.fp4 import plan_mxfp4
 from zllm.weights.hf_quant.fp8 import plan_fp8
 from zllm.weights.hf_quant.gptq_awq import plan_awq, plan_gptq
+from zllm.weights.hf_quant.modelopt import plan_modelopt
 from zllm.weights.hf_quant.plan import ACTIVATION_SCALE_REASON, AWQ_ORDER, Fold, PlanContext, QuantPlan, Reader, Stored
 
 __all__ = ["ACTIVATION_SCALE_REASON", "AWQ_ORDER", "CT_FORMATS", "METHODS", "Fold", "QuantPlan", "Reader", "Stored",
@@ -101,4 +107,4 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
                                                 f"supported: {', '.join(METHODS)}")
     ctx = PlanContext(config_file, qconfig, entries, read)
     METHODS[method](ctx)
-    return QuantPlan(str(method), ctx.folds, ctx.skipped)
+    return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes))

@@ -1,5 +1,5 @@
-"""``quant_method: compressed-tensors``: float-quantized, pack-quantized, nvfp4- and
-mxfp4-pack-quantized weights, matched to their config groups."""
+"""``quant_method: compressed-tensors``: float-quantized, int-quantized (W8A8 int8), pack-quantized,
+nvfp4- and mxfp4-pack-quantized weights, matched to their config groups."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _CT_KEYS = ("quant_method", "format", "config_groups", "ignore", "quantization_s
 _CT_GROUP_KEYS = ("targets", "weights", "input_activations", "output_activations", "format")
 _CT_ARGS_KEYS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
                  "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype")
-CT_FORMATS = ("float-quantized", "pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+CT_FORMATS = ("float-quantized", "int-quantized", "pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 
 @attrs.frozen
@@ -61,8 +61,19 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         if weights and fmt not in CT_FORMATS:
             raise ctx.config_error(f"format {fmt!r} (config_groups.{gname}) is not supported; supported: "
                                    f"{', '.join(CT_FORMATS)}")
+        activations = group.get("input_activations")
+        if activations:
+            check_keys(ctx, f"config_groups.{gname}.input_activations", activations, _CT_ARGS_KEYS)
+            ctx.note_quantized_activations(_activations_text(activations))
         groups.append(_CtGroup(tuple(group.get("targets") or ()), weights, fmt))
     return groups
+
+
+def _activations_text(args: Mapping[str, Any]) -> str:
+    """``"int8 per token (dynamic)"``: what a group's ``input_activations`` quantize to."""
+    kind = "int" if args.get("type", "int") == "int" else "float"
+    dynamic = args.get("dynamic") in (True, "local")
+    return f"{kind}{args.get('num_bits')} per {args.get('strategy') or 'tensor'} ({'dynamic' if dynamic else 'static'})"
 
 
 def _ct_group_of(ctx: PlanContext, groups: list[_CtGroup], module: str) -> _CtGroup:
@@ -105,6 +116,52 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     block = fp8_block(ctx, scale, ctx.entries[scale].shape, entry.shape, blocks)
     ctx.add(fp8_fold(ctx, name, scale, block, entry.shape))
     ctx.skip_activation_scales(prefix, ("input_scale",))
+
+
+def _ct_int(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
+    """int-quantized (W8A8): ``weight`` I8 ``[N, K]`` as it is, ``weight_scale`` one value per
+    tensor, ``[N, 1]`` per channel or ``[N, K/g]`` per group, ``weight_zero_point`` I8 alike when
+    asymmetric -> ``int8_g``, the int8 values offset by 128 (``q + 128 - (zp + 128)`` is exact)."""
+    name, scale = prefix + "weight", prefix + "weight_scale"
+    entry = ctx.entries[name]
+    bits, kind, strategy, symmetric, group_size = _ct_args(group)
+    if kind != "int" or bits != 8:
+        raise ctx.config_error(f"int-quantized {kind} with {bits} bits is not supported (int with 8 bits is)")
+    if len(entry.shape) != 2:
+        raise ctx.error(name, f"int8 weight of shape {list(entry.shape)}; expected [N, K]")
+    n, k = entry.shape
+    if strategy == "group" and group_size and group_size > 0:
+        g = int(group_size)
+        if k % g:
+            raise ctx.error(name, f"group size {g} does not divide K = {k}")
+    elif strategy in ("channel", "tensor", "None"):  # no strategy: compressed-tensors' default, tensor
+        g = k
+    else:
+        raise ctx.config_error(f"int-quantized strategy {strategy!r} is not supported (tensor, channel, group are)")
+    per_tensor = strategy in ("tensor", "None")
+    shapes = ((), (1,), (1, 1)) if per_tensor else ((n, k // g),)
+    parts: list[tuple[str, str, tuple[str, ...]]] = [(scale, "scale", FLOAT_SCALE_DTYPES)]
+    if not symmetric:
+        parts.append((prefix + "weight_zero_point", "zero point", ("I8",)))
+    for part, what, dtypes in parts:
+        ctx.need(part, name, what)
+        ctx.expect(part, dtypes, None, what)
+        if ctx.entries[part].shape not in shapes:
+            raise ctx.error(part, f"{what} has shape {list(ctx.entries[part].shape)}; expected "
+                                  f"{' or '.join(str(list(s)) for s in shapes)} for strategy {strategy!r}")
+
+    def build(read: Reader) -> QuantizedTensor:
+        q = read(name).view(torch.uint8) ^ 0x80  # int8 v -> unsigned v + 128 (two's complement)
+        scales = no_nan(ctx, scale, read(scale).float()).reshape(-1, k // g).expand(n, k // g)
+        if symmetric:
+            zeros = torch.full((n, k // g), 128, dtype=torch.uint8)
+        else:
+            zeros = (read(prefix + "weight_zero_point").view(torch.uint8) ^ 0x80).reshape(-1, k // g).expand(n, k // g)
+        return QuantizedTensor({"qweight": q, "scales": scales.contiguous(), "zeros": zeros.contiguous()},
+                               "int8_g", (n, k), block=(1, g))
+
+    ctx.add(Fold(name, "int8_g", (n, k), (1, g), (name, *(p for p, _, _ in parts)), build))
+    ctx.skip_activation_scales(prefix, ("input_scale", "input_zero_point"))
 
 
 def _ct_pack(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
@@ -219,3 +276,9 @@ def plan_compressed_tensors(ctx: PlanContext) -> None:
             if group.format != "float-quantized":
                 raise ctx.error(name, f"FP8 weight, but its config group's format is {group.format!r}")
             _ct_float(ctx, prefix, group)
+        elif name.endswith(".weight") and entry.dtype == "I8":
+            prefix = name.removesuffix("weight")
+            group = _ct_group_of(ctx, groups, prefix.rstrip("."))
+            if group.format != "int-quantized":
+                raise ctx.error(name, f"int8 weight, but its config group's format is {group.format!r}")
+            _ct_int(ctx, prefix, group)

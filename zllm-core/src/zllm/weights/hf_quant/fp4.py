@@ -1,12 +1,11 @@
-"""``quant_method: mxfp4`` (gpt-oss's ``*_blocks`` / ``*_scales`` experts) and
-``quant_method: modelopt`` with ``quant_algo: NVFP4``."""
+"""``quant_method: mxfp4``: gpt-oss's ``*_blocks`` / ``*_scales`` experts."""
 
 from __future__ import annotations
 
 import torch
 
 from zllm.weights.formats import QuantizedTensor
-from zllm.weights.hf_quant.plan import E8M0_DTYPES, Fold, PlanContext, Reader, check_keys, no_nan
+from zllm.weights.hf_quant.plan import E8M0_DTYPES, Fold, PlanContext, Reader, check_keys
 
 
 def plan_mxfp4(ctx: PlanContext) -> None:
@@ -33,42 +32,3 @@ def plan_mxfp4(ctx: PlanContext) -> None:
             return QuantizedTensor({"qweight": q, "scales": s}, "mxfp4", shape)
 
         ctx.add(Fold(logical, "mxfp4", shape, None, (name, logical + "_scales"), build))
-
-
-_MODELOPT_KEYS = ("quant_method", "quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules", "ignore",
-                  "producer", "kv_cache_scheme")
-
-
-def plan_modelopt(ctx: PlanContext) -> None:
-    """``quant_method: modelopt``, ``quant_algo: NVFP4``: every U8 ``X.weight`` with its two scales."""
-    q = ctx.qconfig
-    check_keys(ctx, "quant_method 'modelopt'", q, _MODELOPT_KEYS)
-    if q.get("quant_algo") != "NVFP4":
-        raise ctx.config_error(f"modelopt quant_algo {q.get('quant_algo')!r} is not supported; supported: NVFP4")
-    if q.get("group_size", 16) != 16:
-        raise ctx.config_error(f"NVFP4 group_size {q.get('group_size')!r}; NVFP4 blocks are 16")
-    if q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme"):
-        raise ctx.config_error("kv_cache_quant_algo (a quantized KV cache) is not supported")
-    for name, entry in list(ctx.entries.items()):
-        if not (name.endswith(".weight") and entry.dtype == "U8"):
-            continue
-        prefix = name.removesuffix("weight")
-        ctx.need(prefix + "weight_scale", name, "NVFP4 block scale")
-        ctx.need(prefix + "weight_scale_2", name, "NVFP4 global scale (weight_scale_2)")
-        *lead, n, half = entry.shape
-        k = 2 * half
-        if k % 16:
-            raise ctx.error(name, f"K = {k} is not a multiple of the NVFP4 block of 16")
-        ctx.expect(prefix + "weight_scale", ("F8_E4M3",), (*lead, n, k // 16), "NVFP4 block scale")
-        ctx.expect(prefix + "weight_scale_2", ("F32",), None, "NVFP4 global scale")
-        shape = (*lead, n, k)
-
-        def build(read: Reader, prefix: str = prefix, shape: tuple[int, ...] = shape) -> QuantizedTensor:
-            s = read(prefix + "weight_scale").view(torch.uint8)
-            no_nan(ctx, prefix + "weight_scale", s.view(torch.float8_e4m3fn).float())
-            gscale = no_nan(ctx, prefix + "weight_scale_2", read(prefix + "weight_scale_2").float())
-            return QuantizedTensor({"qweight": read(prefix + "weight"), "scales": s,
-                                    "global_scale": gscale.reshape(shape[:-2])}, "nvfp4", shape)
-
-        ctx.add(Fold(name, "nvfp4", shape, None, (name, prefix + "weight_scale", prefix + "weight_scale_2"), build))
-        ctx.skip_activation_scales(prefix, ("input_scale",))

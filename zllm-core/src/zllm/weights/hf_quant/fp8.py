@@ -69,6 +69,8 @@ def plan_fp8(ctx: PlanContext) -> None:
         if not (isinstance(wbs, list) and len(wbs) == 2 and all(isinstance(v, int) and v > 0 for v in wbs)):
             raise ctx.config_error(f"weight_block_size must be two positive integers [rows, cols], got {wbs!r}")
         blocks.append((wbs[0], wbs[1]))
+    if q.get("activation_scheme"):
+        ctx.note_quantized_activations(f"FP8 E4M3 ({q['activation_scheme']} scales)")
     for name, entry in list(ctx.entries.items()):
         if entry.dtype != "F8_E4M3" or not name.endswith("weight"):
             continue

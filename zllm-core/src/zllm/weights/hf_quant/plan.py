@@ -17,6 +17,11 @@ Reader = Callable[[str], torch.Tensor]  # checkpoint tensor name -> the tensor (
 
 ACTIVATION_SCALE_REASON = ("static activation scale: zllm's quantized kernels take f32 activations "
                            "(the dequantized-weight semantics), so it is not used")
+# Said once per checkpoint whose config quantizes activations (W8A8, FP8 W8A8, NVFP4 W4A4): zllm
+# runs such a checkpoint weight-only, which differs numerically from the integer / FP8 matmul
+# its producer calibrated for.
+ACTIVATIONS_NOTE = ("activations kept in f32, not quantized to {what} as the checkpoint's config says: its weights "
+                    "run weight-only (dequantized-weight semantics, not the quantized-activation matmul)")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 FLOAT_SCALE_DTYPES = ("F32", "F16", "BF16")
 E8M0_DTYPES = ("U8", "F8_E8M0")
@@ -77,11 +82,14 @@ class QuantPlan:
         method: ``quantization_config.quant_method``.
         folds: logical name -> :class:`Fold`.
         skipped: checkpoint tensors nobody reads -> why (static activation scales).
+        notes: lines for ``--explain`` on how zllm runs the checkpoint differently from what its
+            config describes (activations the config quantizes are kept in f32).
     """
 
     method: str
     folds: dict[str, Fold]
     skipped: dict[str, str]
+    notes: tuple[str, ...] = ()
 
     @property
     def consumed(self) -> dict[str, str]:
@@ -96,6 +104,7 @@ class PlanContext:
         self.config_file, self.qconfig, self.entries, self.read = config_file, qconfig, entries, read
         self.folds: dict[str, Fold] = {}
         self.skipped: dict[str, str] = {}
+        self.notes: list[str] = []
 
     def config_error(self, message: str) -> CheckpointError:
         """An error in the quantization config, naming its file."""
@@ -129,6 +138,13 @@ class PlanContext:
         for n in names:
             if prefix + n in self.entries:
                 self.skipped[prefix + n] = ACTIVATION_SCALE_REASON
+
+    def note_quantized_activations(self, what: str) -> None:
+        """Say (once per ``what``) that the activations the config quantizes to ``what`` (``"int8
+        per token (dynamic)"``) are kept in f32: a line of ``--explain``."""
+        note = ACTIVATIONS_NOTE.format(what=what)
+        if note not in self.notes:
+            self.notes.append(note)
 
     def add(self, fold: Fold) -> None:
         """Record one logical weight's fold."""
