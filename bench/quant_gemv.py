@@ -16,8 +16,10 @@ min-max, the weight bytes read per token, GB/s, the percentage of the bandwidth 
 rounds: the machine is shared and noisy, so medians and best-of are what is comparable), and
 the median over rounds of the per-round ratio to the GGUF format at the same bits. ``--prefill
 T`` also times ``T`` tokens at once through one layer (the tiled decode + ``torch.mm`` path),
-median of 3 interleaved rounds, scaled to the layer count. Writes the table to stdout and
-``bench/out/quant_gemv.json``.
+median of 3 interleaved rounds, scaled to the layer count. ``--isa avx2,avx512`` times every
+layout at each ISA level of the native row kernels within the same rounds (rows
+``layout@level``; the GGUF ratio compares layouts at the same level). Writes the table to
+stdout and ``bench/out/quant_gemv.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from zllm.plugin_api import QuantizedTensor
 from zllm_backend_cpu.kernels import gemv
 from zllm_backend_cpu.kernels import quant_gemv as quant
+from zllm_backend_cpu.kernels.native import select_isa
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 1280, 20, 10, 64, 3328
 SHAPES = [(HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN),
@@ -94,49 +97,54 @@ def build(fmt: str, layers: int, shapes: list[tuple[int, int]]) -> tuple[list[tu
 
 
 def measure(layouts: list[str], layers: int, repeats: int, prefill: int,
-            shapes: list[tuple[int, int]] = SHAPES) -> dict[str, dict]:
+            shapes: list[tuple[int, int]] = SHAPES, levels: tuple[str | None, ...] = (None,)) -> dict[str, dict]:
     """Interleaved timing of ``layouts`` on ``layers`` layers of ``shapes`` (``(N, K)`` of each
-    linear; module doc) -> ``{layout: row}``."""
+    linear; module doc) at each of ``levels`` (an ISA level of the native row kernels, or None
+    for the level in use) -> ``{layout: row}``, ``{layout@level: row}`` for named levels."""
     built = {fmt: build(fmt, layers, shapes) for fmt in layouts}
     sizes = {nbytes for _, nbytes in built.values()}
     limit = {size: read_gb_s(size) for size in sizes}
     xs = {k: torch.randn(1, k) for _, k in shapes}
     xp = {k: torch.randn(prefill, k) for _, k in shapes}
+    keys = [(level, fmt) for level in levels for fmt in layouts]
 
-    def timed(weights: list[tuple[QuantizedTensor, int]], x: dict[int, torch.Tensor]) -> float:
+    def timed(weights: list[tuple[QuantizedTensor, int]], x: dict[int, torch.Tensor], level: str | None) -> float:
+        if level is not None and select_isa(level) != level:
+            raise RuntimeError(f"this CPU cannot run the native row kernels' {level} level")
         t0 = time.perf_counter()
         for w, k in weights:
             run_linear(w, x[k])
         return time.perf_counter() - t0
 
-    times: dict[str, list[float]] = {fmt: [] for fmt in layouts}
-    ptimes: dict[str, list[float]] = {fmt: [] for fmt in layouts}
-    for fmt in layouts:  # warm-up
-        timed(built[fmt][0], xs)
+    times: dict[tuple[str | None, str], list[float]] = {key: [] for key in keys}
+    ptimes: dict[tuple[str | None, str], list[float]] = {key: [] for key in keys}
+    for level, fmt in keys:  # warm-up
+        timed(built[fmt][0], xs, level)
     for _ in range(repeats):
-        for fmt in layouts:
-            times[fmt].append(timed(built[fmt][0], xs))
+        for level, fmt in keys:
+            times[level, fmt].append(timed(built[fmt][0], xs, level))
     for _ in range(3 if prefill else 0):
-        for fmt in layouts:
-            ptimes[fmt].append(timed(built[fmt][0][: len(shapes)], xp) * layers)
+        for level, fmt in keys:
+            ptimes[level, fmt].append(timed(built[fmt][0][: len(shapes)], xp, level) * layers)
     limit = {size: max(gb_s, read_gb_s(size)) for size, gb_s in limit.items()}
     rows = {}
     weights_per_token = layers * sum(n * k for n, k in shapes)
-    for fmt in layouts:
-        nbytes, ts = built[fmt][1], times[fmt]
+    for level, fmt in keys:
+        nbytes, ts = built[fmt][1], times[level, fmt]
         med = statistics.median(ts)
-        row = {"layout": fmt, "bytes_per_token": nbytes, "bits_per_weight": 8 * nbytes / weights_per_token,
-               "tok_s": 1 / med, "tok_s_min": 1 / max(ts), "tok_s_max": 1 / min(ts), "gb_s": nbytes / med / 1e9,
-               "limit_gb_s": limit[nbytes], "pct_of_limit": 100 * nbytes / med / 1e9 / limit[nbytes], "times_s": ts}
+        row = {"layout": fmt, "isa": level, "bytes_per_token": nbytes,
+               "bits_per_weight": 8 * nbytes / weights_per_token, "tok_s": 1 / med, "tok_s_min": 1 / max(ts),
+               "tok_s_max": 1 / min(ts), "gb_s": nbytes / med / 1e9, "limit_gb_s": limit[nbytes],
+               "pct_of_limit": 100 * nbytes / med / 1e9 / limit[nbytes], "times_s": ts}
         if prefill:
-            row["prefill_tok_s"] = prefill / statistics.median(ptimes[fmt])
-        peer = LAYOUTS.get(fmt)
+            row["prefill_tok_s"] = prefill / statistics.median(ptimes[level, fmt])
+        peer = (level, LAYOUTS.get(fmt))
         if peer in times:  # per-round ratios: a busy spell slows both sides of a round
             row["vs_peer"] = statistics.median(p / t for t, p in zip(ts, times[peer], strict=True))
             if prefill:
-                pairs = zip(ptimes[fmt], ptimes[peer], strict=True)
+                pairs = zip(ptimes[level, fmt], ptimes[peer], strict=True)
                 row["prefill_vs_peer"] = statistics.median(p / t for t, p in pairs)
-        rows[fmt] = row
+        rows[fmt if level is None else f"{fmt}@{level}"] = row
     return rows
 
 
@@ -147,17 +155,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill", type=int, default=128, help="tokens of the prefill timing (0: none)")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--isa", default="", help="ISA levels to compare, e.g. avx2,avx512 (default: the one in use)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "quant_gemv.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    rows = measure(args.layouts.split(","), args.layers, args.repeats, args.prefill)
+    levels = tuple(args.isa.split(",")) if args.isa else (None,)
+    rows = measure(args.layouts.split(","), args.layers, args.repeats, args.prefill, levels=levels)
     print(f"\n{args.layers} layers of llama-0.5b, batch-1 GEMV, {args.threads} threads, median of {args.repeats} "
           f"interleaved rounds\n")
     print("| layout | bits/weight | tok/s (min-max) | GB/s | % of BW limit | vs GGUF same bits "
           "| prefill tok/s | vs GGUF prefill |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for fmt, r in rows.items():
-        vs = f"{r['vs_peer']:.2f}x {LAYOUTS[fmt]}" if "vs_peer" in r else "—"
+        vs = f"{r['vs_peer']:.2f}x {LAYOUTS[r['layout']]}" if "vs_peer" in r else "—"
         pre = f"{r['prefill_tok_s']:.0f}" if "prefill_tok_s" in r else "—"
         vs_pre = f"{r['prefill_vs_peer']:.2f}x" if "prefill_vs_peer" in r else "—"
         print(f"| {fmt} | {r['bits_per_weight']:.2f} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}) "

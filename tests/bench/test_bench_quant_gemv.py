@@ -28,3 +28,19 @@ def test_layers_run_and_count_the_registry_bytes():
         assert row["bytes_per_token"] == 2 * sum(FORMATS[fmt].nbytes((n, k), block) for n, k in SHAPES)
         assert row["tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["limit_gb_s"] > 0
     assert rows["mxfp4"]["vs_peer"] > 0 and "vs_peer" not in rows["q4_0"]
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"native library: {unavailable_reason()}")
+def test_levels_are_timed_in_the_same_rounds_and_compared_at_the_same_level():
+    from zllm_backend_cpu.kernels.native import isa, select_isa
+
+    before = isa()
+    if select_isa("avx512") != "avx512":
+        pytest.skip("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI")
+    try:
+        rows = measure(["mxfp4", "q4_0"], layers=1, repeats=2, prefill=0, shapes=SHAPES, levels=("avx2", "avx512"))
+    finally:
+        select_isa(before)
+    assert set(rows) == {"mxfp4@avx2", "q4_0@avx2", "mxfp4@avx512", "q4_0@avx512"}
+    assert rows["mxfp4@avx512"]["isa"] == "avx512" and rows["mxfp4@avx512"]["vs_peer"] > 0
+    assert len(rows["q4_0@avx2"]["times_s"]) == 2 and "vs_peer" not in rows["q4_0@avx2"]

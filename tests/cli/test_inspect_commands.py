@@ -216,6 +216,7 @@ def test_explain_prints_the_kernel_chosen_for_each_capability_and_why():
     lines = explain_lines(proc.stderr)
     if native_unavailable() is None:  # the CPU backend's native GEMV library was built and loads
         assert lines["linear[q8_0]"][0] == "zllm_backend_cpu.kernels.gemv:linear_gemv"
+        assert "native row kernels: AVX" in lines["linear[q8_0]"][1], "the ISA level in use is named"
     else:
         assert lines["linear[q8_0]"][0] == "zllm_backend_cpu.kernels.linear:linear_quant"
         assert "native kernels unavailable" in lines["linear[q8_0]"][1]

@@ -3,7 +3,9 @@
  * to 16-bit types, and e^x for 8 lanes.
  *
  * Every file is built with -mavx2 -mfma -mf16c (not -march=native), so
- * zllm_native_cpu_missing() (library.c) can check at load time exactly what the code needs.
+ * zllm_native_cpu_missing() (library.c) can check at load time exactly what the code needs;
+ * the AVX-512 row kernels are compiled per function (isa.h) and called only where the CPU
+ * has them.
  */
 #ifndef ZLLM_NATIVE_COMMON_H
 #define ZLLM_NATIVE_COMMON_H

@@ -65,6 +65,7 @@
  */
 #include "common.h"
 #include "gemv.h"
+#include "isa.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -365,17 +366,17 @@ void gemv_quantized(const void *w, int64_t ws, const float *x, int64_t xs, const
 }
 
 /* Block formats (K a multiple of 32). If the quantized x cannot be allocated, y is NaN. */
-#define QUANT_ENTRY(NAME, BLOCK_BYTES)                                                         \
+#define QUANT_ENTRY(NAME, FORMAT, BLOCK_BYTES)                                                 \
 void zllm_gemv_##NAME(const uint8_t *w, int64_t ws, const float *x, int64_t xs, const float *bias, \
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {                 \
-    gemv_quantized(w, ws, x, xs, bias, y, t, n, k, k / 32 * (BLOCK_BYTES), threads, rows_##NAME); \
+    gemv_quantized(w, ws, x, xs, bias, y, t, n, k, k / 32 * (BLOCK_BYTES), threads, gemv_rows(FORMAT)); \
 }
 
-QUANT_ENTRY(q8_0, 34)
-QUANT_ENTRY(q4_0, 18)
-QUANT_ENTRY(q4_1, 20)
-QUANT_ENTRY(q5_0, 22)
-QUANT_ENTRY(q5_1, 24)
+QUANT_ENTRY(q8_0, GEMV_Q8_0, 34)
+QUANT_ENTRY(q4_0, GEMV_Q4_0, 18)
+QUANT_ENTRY(q4_1, GEMV_Q4_1, 20)
+QUANT_ENTRY(q5_0, GEMV_Q5_0, 22)
+QUANT_ENTRY(q5_1, GEMV_Q5_1, 24)
 
 /* ---- for the other kernels (gemv.h) ---- */
 
@@ -383,7 +384,9 @@ rows_fn gemv_rows(int format) {
     static const rows_fn table[GEMV_NFORMATS] = {rows_f32, rows_f16, rows_bf16, rows_q8_0, rows_q4_0,
                                                  rows_q4_1, rows_q5_0, rows_q5_1, gemv_rows_q2_k,
                                                  gemv_rows_q3_k, gemv_rows_q4_k, gemv_rows_q5_k, gemv_rows_q6_k};
-    return format >= 0 && format < GEMV_NFORMATS ? table[format] : 0;
+    if (format < 0 || format >= GEMV_NFORMATS) return 0;
+    const rows_fn wide = native_isa_level >= ISA_AVX512 ? gemv_rows_avx512(format) : 0;
+    return wide ? wide : table[format];
 }
 
 int gemv_is_block(int format) { return format >= GEMV_Q8_0; }

@@ -32,8 +32,11 @@ enum { GEMV_F32, GEMV_F16, GEMV_BF16, GEMV_Q8_0, GEMV_Q4_0, GEMV_Q4_1, GEMV_Q5_0
 
 #define GEMV_INTERNAL __attribute__((visibility("hidden")))
 
-/* The row kernel of `format`, or NULL for a number outside the enum. */
+/* The row kernel of `format` at the ISA level in use (isa.h), or NULL for a number outside
+ * the enum. */
 GEMV_INTERNAL rows_fn gemv_rows(int format);
+/* The AVX-512 row kernel of `format` (gemv_avx512.c), or NULL where it has none. */
+GEMV_INTERNAL rows_fn gemv_rows_avx512(int format);
 /* Whether `format` is a block format (takes quantized x). */
 GEMV_INTERNAL int gemv_is_block(int format);
 /* x [T, K] (row stride xs, K a multiple of 32) -> xq [T, K] int16 and xsc [T, K / 32]. */

@@ -1,10 +1,12 @@
-/* Identity and CPU check of the native kernel library (libzllm native, loaded by
+/* Identity, CPU check and ISA level of the native kernel library (libzllm native, loaded by
  * zllm_backend_cpu.kernels.native with ctypes). */
 #include <stdint.h>
 
+#include "isa.h"
+
 /* Bumped whenever an entry point of any csrc/ file changes: a build of another source
  * version is then refused as stale instead of called with the wrong arguments. */
-#define ZLLM_NATIVE_ABI 7
+#define ZLLM_NATIVE_ABI 8
 
 int zllm_native_abi(void) { return ZLLM_NATIVE_ABI; }
 
@@ -17,3 +19,29 @@ __attribute__((target("arch=x86-64"))) const char *zllm_native_cpu_missing(void)
     if (!__builtin_cpu_supports("f16c")) return "f16c";
     return "";
 }
+
+/* Whether the CPU has every feature of ISA_AVX512_FLAGS (isa.h). */
+__attribute__((target("arch=x86-64"))) static int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+int native_isa_level = ISA_AVX2;
+
+/* The best level the CPU has, chosen when the library is loaded (before any kernel runs). */
+__attribute__((target("arch=x86-64"), constructor)) static void select_isa_at_load(void) {
+    native_isa_level = cpu_has_avx512() ? ISA_AVX512 : ISA_AVX2;
+}
+
+/* Selects the row kernels of at most level `highest` (ISA_AVX2 = 0, ISA_AVX512 = 1) that the
+ * CPU runs, and returns the level now in use. For the loader (the ZLLM_NATIVE_ISA setting)
+ * and for tests comparing the levels; never call it while kernels run. */
+int zllm_native_select_isa(int highest) {
+    native_isa_level = highest >= ISA_AVX512 && cpu_has_avx512() ? ISA_AVX512 : ISA_AVX2;
+    return native_isa_level;
+}
+
+/* The level the row kernels use now. */
+int zllm_native_isa(void) { return native_isa_level; }

@@ -32,9 +32,26 @@
  * dependent FMA on the row total (NVFP4 at 3.7 G weights/s on one core, 9.5 this way).
  * Against the f32 reference (dequantize, then x @ W^T) only rounding differs; ~1e-6 relative.
  *
- * Order: every output element is reduced in an order that depends only on the layout and K
- * (never on T, N, the other rows or the thread split): an output row is bit-identical
- * whatever else is in the call.
+ * Order: every output element is reduced in an order that depends only on the layout, K and
+ * the ISA level in use (never on T, N, the other rows or the thread split): an output row is
+ * bit-identical whatever else is in the call.
+ *
+ * AVX-512 (isa.h; chosen when the library loads where the CPU has it, ZLLM_NATIVE_ISA=avx2
+ * forces the AVX2 kernels): the GEMV rows decode each 16 columns into one 16-lane vector (the
+ * same exact values; nibbles by one vpermps from a 16-entry f32 table of q - z or E2M1; the
+ * group's scale from broadcast loads, no scalar step) and accumulate 16 lanes wide. MXFP4 and
+ * INT4 in groups of a multiple of 32: per group the table times the scale (the reference's w
+ * of each nibble value), each 32 columns as their even columns (low nibbles) and odd columns
+ * (high nibbles), one vpermps each, times x's even / odd columns (vpermt2ps) into two 16-lane
+ * accumulators (1.5x the AVX2 kernel's speed; decoding nibbles in column order cost a
+ * widening, a shift and an OR per 16). Other groups of 16 or 32: two 16-lane accumulators (the
+ * first / second 16 columns of each 32). Then a0 + a1 and a fixed horizontal sum. Larger
+ * groups (FP8, INT8): per group two 16-lane accumulators (even / odd 16-column steps of the
+ * group; the AVX2 kernel's pair takes columns 0-7 / 8-15 of every step), their sum times the
+ * scale into a 16-lane row total, the same scalar tail. So the two levels sum the same f32
+ * products (or the same w times x) in different orders: not bit-identical to each other (~1e-6
+ * relative apart, both within the tolerance above), each in one fixed order. The row decode
+ * for prefill (zllm_qdecode_*) is exact at both levels and stays AVX2.
  *
  * Threads: OpenMP with the caller's thread count (the libgomp torch loaded, as gemv.c). The
  * rows are cut into work items of about CHUNK_BYTES of weights handed out dynamically, so a
@@ -43,6 +60,7 @@
  * T is small here: prefill decodes row tiles with zllm_qdecode_* for torch.mm.
  */
 #include "common.h"
+#include "isa.h"
 
 
 #define CHUNK_BYTES (64 << 10) /* weight bytes per work item */
@@ -283,6 +301,178 @@ ROWS(int8, L_INT8)
 ROWS(mxfp4, L_MXFP4)
 ROWS(nvfp4, L_NVFP4)
 
+/* ---- AVX-512 (isa.h): 16 columns in one 16-lane vector ---- */
+
+/* The 16 nibbles of the 8 bytes at p in column order as the low 4 bits of 16 int32 lanes (the
+ * other bits are not cleared: vpermps reads only the low 4): byte j zero-extended into 64-bit
+ * lane j is lane 2j = byte j; OR the lane shifted left by 28 puts byte j >> 4 into lane 2j + 1
+ * and leaves the low nibble in lane 2j's low bits. */
+INLINE AVX512 __m512i nibble_lanes(const uint8_t *p) {
+    const __m512i v = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)p));
+    return _mm512_or_si512(v, _mm512_slli_epi64(v, 28));
+}
+
+/* The f32 value of each nibble before the scale (q - z; the E2M1 value itself, not cols16's
+ * twice it: scale_512 takes no factor), a 16-entry table for vpermps. */
+INLINE AVX512 __m512 nibble_table(int z, const int layout) {
+    if (layout == L_INT4)
+        return _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z)));
+    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                          -4.0f, -6.0f);
+}
+
+/* The scale of group gi for cols16_512's values in all 16 lanes, from broadcast loads (no
+ * scalar step): fp8 scale * 2^8, int scale, E8M0, e4m3 * global (the reference's one f32
+ * product, lane by lane). Each times a value is the same real product as cols16's value times
+ * group_scale's vs, rounded once: the same f32. */
+INLINE AVX512 __m512 scale_512(const qweight *w, const float *sf, const uint8_t *s8, int64_t gi, const int layout) {
+    if (layout == L_FP8) return _mm512_mul_ps(_mm512_set1_ps(sf[gi]), _mm512_set1_ps(256.0f));
+    if (layout == L_INT4 || layout == L_INT8) return _mm512_set1_ps(sf[gi]);
+    if (layout == L_MXFP4) return _mm512_set1_ps(E8M0[s8[gi]]);
+    return _mm512_mul_ps(_mm512_set1_ps(E4M3[s8[gi]]), _mm512_set1_ps(w->global));
+}
+
+/* cols16's values as one 16-lane vector (the same exact values, E2M1 not doubled); nibbles
+ * by one table lookup. */
+INLINE AVX512 __m512 cols16_512(const uint8_t *row, int64_t c, int z, const int layout) {
+    if (layout == L_FP8) {
+        const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + c)));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBF80)));
+    }
+    if (layout == L_INT8)
+        return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c))),
+                                                   _mm512_set1_epi32(z)));
+    return _mm512_permutexvar_ps(nibble_lanes(row + c / 2), nibble_table(z, layout));
+}
+
+INLINE AVX512 float hsum512(__m512 v) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+/* steps32 with one 16-lane accumulator per step: a[t][0] the first 16 columns, a[t][1] the
+ * second. */
+INLINE AVX512 void steps32_512(const qweight *w, const uint8_t *row, const uint8_t *zr, const float *sf,
+                               const uint8_t *s8, const float *x, int64_t xs, int64_t c, int lg, const int layout,
+                               const int TT, __m512 a[TOKENS_MAX][2]) {
+    for (int h = 0; h < 2; h++) {
+        const int64_t cc = c + 16 * h, gi = cc >> 4 >> lg;
+        PREFETCH_ROW(row + (layout == L_INT8 || layout == L_FP8 ? cc : cc / 2));
+        const __m512 v = _mm512_mul_ps(cols16_512(row, cc, zr ? zr[gi] : 0, layout), scale_512(w, sf, s8, gi, layout));
+        for (int t = 0; t < TT; t++) a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + cc), a[t][h]);
+    }
+}
+
+/* A row of nibbles in scale groups of a multiple of 32 columns (MXFP4, INT4 groups of 32, 64,
+ * 128 ...) times TT tokens -> y[t]. Per group the 16-entry table times the group's scale is the
+ * reference's w of each nibble value (rounded once); each 32 columns (16 bytes) are 16 lanes of
+ * bytes, the low nibbles (even columns) and the high ones (odd columns) each one vpermps of that
+ * table, times the even / odd columns of x (two vpermt2ps) into two accumulators. Then a0 + a1
+ * and the horizontal sum. */
+INLINE AVX512 void dot_nibbles_512(const qweight *w, const uint8_t *row, const uint8_t *zr, const float *sf,
+                                   const uint8_t *s8, const float *x, int64_t xs, float *y, const int layout,
+                                   const int TT) {
+    const int64_t k = w->k, g = w->g, ng = (k + g - 1) / g;
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    __m512 a[TOKENS_MAX][2];
+    for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const __m512 table = _mm512_mul_ps(nibble_table(zr ? zr[gi] : 0, layout), scale_512(w, sf, s8, gi, layout));
+        const int64_t c1 = (gi + 1) * g < k ? (gi + 1) * g : k;
+        for (int64_t c = gi * g; c < c1; c += 32) {
+            PREFETCH_ROW(row + c / 2);
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c / 2)));
+            const __m512 we = _mm512_permutexvar_ps(v, table), wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+            for (int t = 0; t < TT; t++) {
+                const __m512 x0 = _mm512_loadu_ps(x + t * xs + c), x1 = _mm512_loadu_ps(x + t * xs + c + 16);
+                a[t][0] = _mm512_fmadd_ps(we, _mm512_permutex2var_ps(x0, even, x1), a[t][0]);
+                a[t][1] = _mm512_fmadd_ps(wo, _mm512_permutex2var_ps(x0, odd, x1), a[t][1]);
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) y[t] = hsum512(_mm512_add_ps(a[t][0], a[t][1]));
+}
+
+/* dot_row with 16-lane vectors (file comment: the AVX-512 order). Groups of 16 or 32: two
+ * accumulators (first / second 16 columns of each 32), then a0 + a1 and the horizontal sum.
+ * Larger groups: per group the unscaled values times x into two accumulators (even / odd
+ * 16-column steps of the group), their sum times the scale into a 16-lane row total, the
+ * scalar tail as dot_row's; then the horizontal sum of the total plus the tail. */
+INLINE AVX512 void dot_row_512(const qweight *w, int64_t r, const float *x, int64_t xs, float *y, const int layout,
+                               const int TT) {
+    ROW_PARTS(w, r, layout);
+    if ((layout == L_MXFP4 || layout == L_INT4) && g % 32 == 0 && k % 32 == 0) {
+        dot_nibbles_512(w, row, zr, sf, s8, x, xs, y, layout, TT);
+        return;
+    }
+    if ((g == 16 || g == 32) && k % 32 == 0) {
+        __m512 a[TOKENS_MAX][2];
+        for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
+        const int lg = g == 32;
+        for (int64_t c = 0; c < k; c += 32) steps32_512(w, row, zr, sf, s8, x, xs, c, lg, layout, TT, a);
+        for (int t = 0; t < TT; t++) y[t] = hsum512(_mm512_add_ps(a[t][0], a[t][1]));
+        return;
+    }
+    const int nibbles = layout == L_INT4 || layout == L_MXFP4 || layout == L_NVFP4;
+    __m512 tot[TOKENS_MAX];
+    float tail[TOKENS_MAX];
+    for (int t = 0; t < TT; t++) tot[t] = _mm512_setzero_ps(), tail[t] = 0.0f;
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const int64_t c1 = (gi + 1) * g < k ? (gi + 1) * g : k;
+        const int z = zr ? zr[gi] : 0;
+        float s, vs;
+        group_scale(w, sf, s8, gi, layout, &s, &vs); /* s: the scalar tail's */
+        __m512 a[TOKENS_MAX][2];
+        for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
+        int64_t c = gi * g;
+        if (!nibbles || c % 2 == 0) {
+            for (; c + 32 <= c1; c += 32) /* constant indices keep a[][] in registers */
+                for (int h = 0; h < 2; h++) {
+                    PREFETCH_ROW(row + (nibbles ? (c + 16 * h) / 2 : c + 16 * h));
+                    const __m512 v = cols16_512(row, c + 16 * h, z, layout);
+                    for (int t = 0; t < TT; t++)
+                        a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + c + 16 * h), a[t][h]);
+                }
+            if (c + 16 <= c1) {
+                const __m512 v = cols16_512(row, c, z, layout);
+                for (int t = 0; t < TT; t++) a[t][0] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + c), a[t][0]);
+                c += 16;
+            }
+        }
+        for (int t = 0; t < TT; t++)
+            tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a[t][0], a[t][1]), scale_512(w, sf, s8, gi, layout), tot[t]);
+        for (; c < c1; c++) {
+            const float wc = col1(row, c, z, layout) * s;
+            for (int t = 0; t < TT; t++) tail[t] = fmaf(wc, x[t * xs + c], tail[t]);
+        }
+    }
+    for (int t = 0; t < TT; t++) y[t] = hsum512(tot[t]) + tail[t];
+}
+
+#define ROWS512(NAME, LAYOUT)                                                                  \
+AVX512 static void rows512_##NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, \
+                                  const float *bias, float *y, int64_t t) {                    \
+    for (int64_t r = r0; r < r1; r++) {                                                         \
+        float v[TOKENS_MAX];                                                                    \
+        int64_t j = 0;                                                                          \
+        for (; j + TOKENS_MAX <= t; j += TOKENS_MAX) {                                          \
+            dot_row_512(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                           \
+            for (int i = 0; i < TOKENS_MAX; i++) y[(j + i) * w->n + r] = bias ? v[i] + bias[r] : v[i]; \
+        }                                                                                       \
+        if (j < t) {                                                                            \
+            dot_row_512(w, r, x + j * xs, xs, v, LAYOUT, 1);                                    \
+            y[j * w->n + r] = bias ? v[0] + bias[r] : v[0];                                     \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+ROWS512(fp8, L_FP8)
+ROWS512(int4, L_INT4)
+ROWS512(int8, L_INT8)
+ROWS512(mxfp4, L_MXFP4)
+ROWS512(nvfp4, L_NVFP4)
+
 static void decode_fp8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_FP8); }
 static void decode_int4(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT4); }
 static void decode_int8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT8); }
@@ -294,6 +484,9 @@ static void decode_nvfp4(const qweight *w, int64_t r, float *out) { decode_row(w
 typedef void (*rows_fn)(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, const float *bias,
                         float *y, int64_t t);
 typedef void (*decode_fn)(const qweight *w, int64_t r, float *out);
+
+/* The row kernel of the ISA level in use (isa.h). */
+#define ROWS_OF(NAME) (native_isa_level >= ISA_AVX512 ? rows512_##NAME : rows_##NAME)
 
 /* y = x W^T (+ bias): rows in work items handed out dynamically (file comment). */
 static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, const float *bias, float *y,
@@ -324,7 +517,7 @@ static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float
 void zllm_qgemv_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, const float *x, int64_t xs,
                     const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scale, 0, 0.0f, n, k, bk, bn, k};
-    gemv(&w, rows_fp8, x, xs, bias, y, t, threads);
+    gemv(&w, ROWS_OF(fp8), x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, int64_t n, int64_t k,
                       int64_t r0, int64_t r1, float *out, int threads) {
@@ -337,7 +530,7 @@ void zllm_qgemv_##NAME(const uint8_t *q, const float *scales, const uint8_t *zer
                        const float *x, int64_t xs, const float *bias, float *y, int64_t t,          \
                        int64_t n, int64_t k, int threads) {                                         \
     const qweight w = {q, scales, zeros, 0.0f, n, k, g, 1, ROW_BYTES};                              \
-    gemv(&w, rows_##NAME, x, xs, bias, y, t, threads);                                               \
+    gemv(&w, ROWS_OF(NAME), x, xs, bias, y, t, threads);                                             \
 }                                                                                                   \
 void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,    \
                          int64_t n, int64_t k, int64_t r0, int64_t r1, float *out, int threads) {   \
@@ -351,7 +544,7 @@ INT_ENTRIES(int8, k)
 void zllm_qgemv_mxfp4(const uint8_t *q, const uint8_t *scales, const float *x, int64_t xs, const float *bias,
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, 0.0f, n, k, 32, 1, k / 2};
-    gemv(&w, rows_mxfp4, x, xs, bias, y, t, threads);
+    gemv(&w, ROWS_OF(mxfp4), x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int64_t k, int64_t r0, int64_t r1,
                         float *out, int threads) {
@@ -362,7 +555,7 @@ void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int6
 void zllm_qgemv_nvfp4(const uint8_t *q, const uint8_t *scales, float global, const float *x, int64_t xs,
                       const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, global, n, k, 16, 1, k / 2};
-    gemv(&w, rows_nvfp4, x, xs, bias, y, t, threads);
+    gemv(&w, ROWS_OF(nvfp4), x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_nvfp4(const uint8_t *q, const uint8_t *scales, float global, int64_t n, int64_t k, int64_t r0,
                         int64_t r1, float *out, int threads) {

@@ -13,12 +13,14 @@ from zllm_backend_cpu.kernels import (
     CAPABILITIES,
     INVARIANT_AS_IS,
     INVARIANT_KERNELS,
+    ISA_ROW_FORMATS,
+    ISA_ROW_OPS,
     KERNELS,
     NATIVE_INVARIANT_AS_IS,
     NATIVE_INVARIANT_KERNELS,
     NATIVE_KERNELS,
 )
-from zllm_backend_cpu.kernels.native import unavailable_reason
+from zllm_backend_cpu.kernels.native import isa_description, unavailable_reason
 
 ZLLM_PLUGIN_API = "1.3"
 BACKEND = "cpu"
@@ -65,8 +67,11 @@ def zllm_register_kernels(registry: KernelRegistry) -> None:
     if reason is None:
         _register(registry, KERNELS, priority=0, invariant_ops=INVARIANT_AS_IS)
         _register(registry, INVARIANT_KERNELS, priority=-2, invariant_ops=every_op)
-        _register(registry, NATIVE_KERNELS, priority=1, invariant_ops=NATIVE_INVARIANT_AS_IS)
-        _register(registry, NATIVE_INVARIANT_KERNELS, priority=-1, invariant_ops=every_op)
+        # the row kernels with an AVX-512 version say which level runs (zllm run --explain)
+        rows = {(op, fmt) for op in ISA_ROW_OPS for fmt in ISA_ROW_FORMATS}
+        isa = isa_description()
+        _register(registry, NATIVE_KERNELS, priority=1, invariant_ops=NATIVE_INVARIANT_AS_IS, noted=rows, note=isa)
+        _register(registry, NATIVE_INVARIANT_KERNELS, priority=-1, invariant_ops=every_op, noted=rows, note=isa)
         return
     # Without the library, the torch kernels of the ops and formats it would serve say why they run.
     note = f"torch path: native kernels unavailable: {reason}"

@@ -38,6 +38,10 @@ QUANT_FORMATS = tuple(FORMATS)
 GEMV_FORMATS = (*DENSE, "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 # native GEMV + row-tile decode of the HF checkpoints' formats (.quant_gemv, csrc/quant_gemv.c)
 QUANT_GEMV_FORMATS = ("fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4")
+# formats whose native row kernels (linear, moe) also have AVX-512 versions, chosen when the
+# library loads (.native: ISA level); their registry note names the level in use
+ISA_ROW_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *QUANT_GEMV_FORMATS)
+ISA_ROW_OPS = ("linear", "moe", "moe_clamped_swiglu")
 
 KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("embedding", DENSE, f"{_PKG}.linear:embedding_dense"),
@@ -109,5 +113,5 @@ NATIVE_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
 
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)
 
-__all__ = ["CAPABILITIES", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "KERNELS", "NATIVE_INVARIANT_AS_IS",
-           "NATIVE_INVARIANT_KERNELS", "NATIVE_KERNELS"]
+__all__ = ["CAPABILITIES", "INVARIANT_AS_IS", "INVARIANT_KERNELS", "ISA_ROW_FORMATS", "ISA_ROW_OPS", "KERNELS",
+           "NATIVE_INVARIANT_AS_IS", "NATIVE_INVARIANT_KERNELS", "NATIVE_KERNELS"]

@@ -14,6 +14,14 @@ another source version. :func:`unavailable_reason` says which, and the plugin re
 native kernels only when it is ``None`` (otherwise the torch kernels carry that reason into
 ``zllm run --explain``).
 
+ISA level: the library is built for AVX2 + FMA + F16C; the GEMV row kernels of the GGUF block
+formats and of the HF quantized layouts also have AVX-512 versions (F, BW, VL, DQ, VNNI), which
+the library selects when it is loaded where the CPU has them. ``ZLLM_NATIVE_ISA=avx2`` (read
+here, once, when the library is loaded) forces the AVX2 kernels; ``auto`` (or unset) takes the
+best the CPU has. :func:`isa_description` says which runs and why (the registry note of those
+kernels, so ``zllm run --explain`` shows it). The block formats give the same bits at both
+levels; the HF layouts sum in another fixed order (``csrc/quant_gemv.c``).
+
 torch is imported before the library is loaded: the library needs ``libgomp.so.1``, and the
 dynamic loader then binds it to the copy torch loaded, so torch's ops and the native kernels
 share one OpenMP thread pool.
@@ -23,13 +31,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch  # noqa: F401  (imported first; see the module doc)
 
 LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_native.so"
-ABI_VERSION = 7  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
+ABI_VERSION = 8  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
+ISA_SETTING = "ZLLM_NATIVE_ISA"
+#: ISA levels of the row kernels, in the order of csrc/isa.h's enum (its index is the C level).
+ISA_LEVELS = ("avx2", "avx512")
+_AVX512_FEATURES = "AVX-512 F/BW/VL/DQ/VNNI"
 
 #: ctypes argument types: pointers (``tensor.data_ptr()`` or None), 64-bit sizes and strides,
 #: C ints and floats.
@@ -57,7 +70,37 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     missing = lib.zllm_native_cpu_missing().decode()
     if missing:
         return None, f"this CPU lacks {missing.upper()}, which the native kernels need (AVX2, FMA, F16C)"
+    highest, error = _isa_setting()
+    if highest is None:
+        return None, error
+    lib.zllm_native_select_isa.argtypes, lib.zllm_native_select_isa.restype = [ctypes.c_int], ctypes.c_int
+    lib.zllm_native_isa.restype = ctypes.c_int
+    lib.zllm_native_select_isa(ISA_LEVELS.index(highest))
     return lib, None
+
+
+@functools.cache
+def _isa_setting() -> tuple[str | None, str | None]:
+    """``ZLLM_NATIVE_ISA`` read once: (the highest level it allows, None) or (None, why it is invalid)."""
+    try:
+        return requested_isa(os.environ), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def requested_isa(environ: Mapping[str, str]) -> str:
+    """The highest ISA level ``ZLLM_NATIVE_ISA`` in ``environ`` allows: ``"avx2"`` when it says
+    ``avx2``, ``"avx512"`` when it is unset, empty or ``auto`` (the CPU may still lack it).
+
+    Raises:
+        ValueError: any other value (the message names it and the valid ones).
+    """
+    value = environ.get(ISA_SETTING, "").strip().lower()
+    if value in ("", "auto"):
+        return ISA_LEVELS[-1]
+    if value == "avx2":
+        return "avx2"
+    raise ValueError(f"{ISA_SETTING}={environ[ISA_SETTING]!r} is not one of auto, avx2")
 
 
 def library() -> ctypes.CDLL:
@@ -85,9 +128,47 @@ def function(name: str, *argtypes: type) -> Callable[..., None]:
     return fn
 
 
+def isa() -> str:
+    """The ISA level of the row kernels in use: ``"avx2"`` or ``"avx512"``.
+
+    Raises:
+        RuntimeError: the library is unavailable.
+    """
+    return ISA_LEVELS[library().zllm_native_isa()]
+
+
+def select_isa(highest: str) -> str:
+    """Makes the row kernels use the best level up to ``highest`` (one of :data:`ISA_LEVELS`) that
+    the CPU runs, and returns the level now in use. For comparing the levels (tests,
+    benchmarks); never while kernels run.
+
+    Raises:
+        ValueError: ``highest`` is not a level.
+        RuntimeError: the library is unavailable.
+    """
+    if highest not in ISA_LEVELS:
+        raise ValueError(f"ISA level {highest!r} is not one of {', '.join(ISA_LEVELS)}")
+    return ISA_LEVELS[library().zllm_native_select_isa(ISA_LEVELS.index(highest))]
+
+
+def isa_description() -> str:
+    """The row kernels' ISA level in use and why, for ``zllm run --explain``.
+
+    Raises:
+        RuntimeError: the library is unavailable.
+    """
+    level = isa()
+    if level == "avx512":
+        return f"native row kernels: {_AVX512_FEATURES}"
+    if _isa_setting()[0] == "avx2":
+        return f"native row kernels: AVX2 ({ISA_SETTING}=avx2)"
+    return f"native row kernels: AVX2 (this CPU lacks {_AVX512_FEATURES})"
+
+
 def unavailable_reason() -> str | None:
     """Why the native library cannot be used on this machine, or ``None`` when it can."""
     return _load()[1]
 
 
-__all__ = ["ABI_VERSION", "F32", "I64", "INT", "LIBRARY_PATH", "P", "function", "library", "unavailable_reason"]
+__all__ = ["ABI_VERSION", "F32", "I64", "INT", "ISA_LEVELS", "ISA_SETTING", "LIBRARY_PATH", "P", "function", "isa",
+           "isa_description", "library", "requested_isa", "select_isa", "unavailable_reason"]

@@ -1,0 +1,183 @@
+"""The ISA levels of the native row kernels (``csrc/isa.h``): the GGUF block formats give the same
+bits with the AVX2 and the AVX-512 kernels (GEMV and the MoE kernel); the HF layouts stay within
+the reference's tolerance and batch-invariant at each level; ``ZLLM_NATIVE_ISA`` parsing, forcing
+AVX2 in a fresh process, and the registry note that ``zllm run --explain`` shows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zllm.kernels.registry import KernelRegistry
+from zllm_backend_cpu import plugin
+from zllm_backend_cpu.kernels.native import (
+    ISA_LEVELS,
+    ISA_SETTING,
+    isa,
+    isa_description,
+    requested_isa,
+    select_isa,
+    unavailable_reason,
+)
+
+if unavailable_reason() is not None:  # the kernel modules bind the library's entry points at import
+    pytest.skip(f"native library: {unavailable_reason()}", allow_module_level=True)
+
+from test_cpu_gemv import make_weight  # noqa: E402
+from test_cpu_quant_gemv import CASES, assert_close_to_reference, make_case  # noqa: E402
+
+from zllm.conformance.cases import make_expert_stack  # noqa: E402
+from zllm_backend_cpu.kernels import gemv, quant_gemv  # noqa: E402
+from zllm_backend_cpu.kernels.moe_gemv import moe_experts  # noqa: E402
+
+T = TypeVar("T")
+# the GGUF block formats with AVX-512 row kernels (csrc/gemv_avx512.c; the k-quants have none)
+AVX512_BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+@contextmanager
+def at_level(level: str) -> Iterator[None]:
+    """The row kernels of ``level`` inside the block, the level in use before it afterwards."""
+    before = isa()
+    assert select_isa(level) == level
+    try:
+        yield
+    finally:
+        select_isa(before)
+
+
+def _cpu_has_avx512() -> bool:
+    before = isa()
+    has = select_isa("avx512") == "avx512"
+    select_isa(before)
+    return has
+
+
+needs_avx512 = pytest.mark.skipif(not _cpu_has_avx512(),
+                                  reason="this CPU lacks AVX-512 F/BW/VL/DQ/VNNI: only the AVX2 kernels run here")
+LEVELS = [pytest.param("avx2"), pytest.param("avx512", marks=needs_avx512)]
+
+
+def both(fn: Callable[[], T]) -> tuple[T, T]:
+    """``fn()`` with the AVX2 kernels, then with the AVX-512 ones."""
+    with at_level("avx2"):
+        a = fn()
+    with at_level("avx512"):
+        b = fn()
+    return a, b
+
+
+@needs_avx512
+@settings(max_examples=30, deadline=None)
+@given(
+    fmt=st.sampled_from(AVX512_BLOCK_FORMATS),
+    t=st.sampled_from([1, 2, 3, 5]),  # token pairs and a last single token
+    n=st.sampled_from([1, 7, 40, 600]),  # 600 rows of K 320: more than one work item
+    k_blocks=st.sampled_from([1, 2, 3, 10, 33]),  # odd counts end on an even block alone
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_block_formats_give_the_same_bits_with_avx2_and_avx512(fmt, t, n, k_blocks, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * k_blocks
+    w = make_weight(fmt, n, k, g)
+    x = torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4  # uneven magnitudes per block
+    b = torch.randn(n, generator=g) if bias else None
+    avx2, avx512 = both(lambda: gemv.gemv(x, w, b))
+    assert torch.equal(avx2, avx512)
+
+
+@needs_avx512
+@pytest.mark.parametrize("formats", [("q8_0", "q4_0", "q5_0"), ("q4_1", "q5_1", "q8_0")])
+def test_the_moe_kernel_gives_the_same_bits_with_avx2_and_avx512(formats):
+    g = torch.Generator().manual_seed(3)
+    experts, width, hidden, top_k, t = 6, 64, 96, 3, 5
+    gate = make_expert_stack(g, formats[0], experts, width, hidden)
+    up = make_expert_stack(g, formats[1], experts, width, hidden)
+    down = make_expert_stack(g, formats[2], experts, hidden, width)
+    x = torch.randn(t, hidden, generator=g)
+    ids = torch.randint(0, experts, (t, top_k), generator=g)
+    weights = torch.rand(t, top_k, generator=g)
+    avx2, avx512 = both(lambda: moe_experts(x, ids, weights, gate, up, down))
+    assert avx2.abs().sum() > 0 and torch.equal(avx2, avx512)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@settings(max_examples=15, deadline=None)
+@given(case=st.sampled_from(CASES), t=st.integers(1, 3), n=st.integers(1, 24), k_units=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_hf_layouts_stay_within_the_reference_tolerance_at_each_level(level, case, t, n, k_units, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = make_case(case, n, k_units, g)
+    x = torch.randn(t, 32 * k_units, generator=g)
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, w, None)
+    assert_close_to_reference(got, x, w, None)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("case", ["fp8_channel", "fp8_ragged", "int4_g", "mxfp4"])
+def test_hf_layouts_give_each_row_the_same_bits_alone_or_in_a_batch_at_each_level(level, case):
+    g = torch.Generator().manual_seed(7)
+    w = make_case(case, 37, 5, g)
+    x = torch.randn(7, 160, generator=g)
+    with at_level(level):
+        batch = quant_gemv.linear_quant_gemv_invariant(x, w, None)
+        alone = torch.cat([quant_gemv.linear_quant_gemv_invariant(x[i:i + 1], w, None) for i in range(7)])
+    assert torch.equal(batch, alone)
+
+
+def test_the_setting_allows_avx512_unless_it_says_avx2():
+    assert requested_isa({}) == requested_isa({ISA_SETTING: ""}) == requested_isa({ISA_SETTING: "auto"}) == "avx512"
+    assert requested_isa({ISA_SETTING: " AVX2 "}) == "avx2"
+    with pytest.raises(ValueError, match=r"ZLLM_NATIVE_ISA='sse4' is not one of auto, avx2"):
+        requested_isa({ISA_SETTING: "sse4"})
+    with pytest.raises(ValueError, match="ISA level 'avx1' is not one of avx2, avx512"):
+        select_isa("avx1")
+
+
+def test_the_row_kernels_registry_note_names_the_level_in_use():
+    reg = KernelRegistry()
+    plugin.zllm_register_kernels(reg)
+    for op, fmt in (("linear", "q8_0"), ("linear", "mxfp4"), ("moe", "q4_0")):
+        assert reg.lookup(op, "cpu", fmt).reason.endswith(isa_description())
+    assert "native row kernels" not in reg.lookup("linear", "cpu", "f32").reason
+    assert isa() in ISA_LEVELS
+
+
+_FORCED = """
+from zllm.kernels.registry import KernelRegistry
+from zllm_backend_cpu import plugin
+from zllm_backend_cpu.kernels.native import isa
+reg = KernelRegistry()
+plugin.zllm_register_kernels(reg)
+print("NOTE", reg.lookup("linear", "cpu", "q4_0").reason, flush=True)
+print("LEVEL", isa())
+"""
+
+
+def _forced(setting: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, ISA_SETTING: setting}
+    return subprocess.run([sys.executable, "-c", _FORCED], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_setting_avx2_makes_a_fresh_process_run_and_name_the_avx2_kernels():
+    proc = _forced("avx2")
+    assert proc.returncode == 0, proc.stderr
+    assert "LEVEL avx2" in proc.stdout and "native row kernels: AVX2 (ZLLM_NATIVE_ISA=avx2)" in proc.stdout
+
+
+def test_an_invalid_setting_leaves_the_library_unavailable_saying_why():
+    proc = _forced("bogus")
+    reason = "native kernels unavailable: ZLLM_NATIVE_ISA='bogus' is not one of auto, avx2"
+    assert reason in proc.stdout  # the torch kernels' registry note
+    assert proc.returncode != 0 and reason in proc.stderr  # isa() raises with it
