@@ -61,7 +61,8 @@
  * same number of rows for every item, and the items into one contiguous region per thread. A
  * thread takes the items of its own region front to back (one stream), then helps with the
  * others' remaining items, so a thread that the OS deschedules on a busy machine delays
- * only the item it holds instead of its whole share.
+ * only the item it holds instead of its whole share. A call whose weight bytes times tokens
+ * are under GEMV_PARALLEL_MIN_WORK (common.h) runs on the calling thread alone.
  */
 #include "common.h"
 #include "gemv.h"
@@ -296,6 +297,7 @@ static void gemv_split(const gemv_args *a, int64_t row_bytes, int threads, rows_
     int64_t items = (n * (row_bytes > 0 ? row_bytes : 1) + CHUNK_BYTES - 1) / CHUNK_BYTES;
     items = items < n ? (items > 1 ? items : 1) : n;
     int nth = threads < items ? threads : (int)items;
+    if (n * row_bytes * a->t < GEMV_PARALLEL_MIN_WORK) nth = 1;
     nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
     /* as many items per thread for every thread, then equal rows per item: a weight of a
      * few items (small models) is split evenly instead of one full item and one stub */

@@ -55,7 +55,8 @@
  *
  * Threads: OpenMP with the caller's thread count (the libgomp torch loaded, as gemv.c). The
  * rows are cut into work items of about CHUNK_BYTES of weights handed out dynamically, so a
- * thread the OS deschedules on a busy machine holds up one item, not a static share. Tokens
+ * thread the OS deschedules on a busy machine holds up one item, not a static share (a call
+ * under GEMV_PARALLEL_MIN_WORK, common.h, runs on the calling thread alone). Tokens
  * go two at a time through one decode of a row (4 tokens: 1.8x faster than one at a time);
  * T is small here: prefill decodes row tiles with zllm_qdecode_* for torch.mm.
  */
@@ -495,6 +496,7 @@ static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, 
     const int64_t n = w->n, per = CHUNK_BYTES / (w->row_bytes > 0 ? w->row_bytes : 1);
     const int64_t rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
     int nth = threads < items ? threads : (int)items;
+    if (n * w->row_bytes * t < GEMV_PARALLEL_MIN_WORK) nth = 1;
     nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
 #pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
     for (int64_t i = 0; i < items; i++)
