@@ -75,15 +75,16 @@
  * sequence seqs[r] (NULL: r), i.e. block-table row block_tables + seqs[r] * bt_rs (int64
  * [S, MB]), with context length ctx_lens[r]; its output goes to the same row of out f32
  * [T, H, D] contiguous (other rows are not written). window 0: keys 0 .. L - 1, else
- * max(0, L - window) .. L - 1. Caches [NB, BS, Hkv, D] contiguous. threads: at most this
- * many OpenMP threads (one per (row, KV head) item at most). */
+ * max(0, L - window) .. L - 1. sinks f32 [H] (attention sinks, gpt-oss: head h's softmax
+ * takes sinks[h] as one more logit, with no value) or NULL. Caches [NB, BS, Hkv, D]
+ * contiguous. threads: at most this many OpenMP threads (one per (row, KV head) item at most). */
 #define DECODE_ENTRY(NAME, CT)                                                                  \
 void zllm_paged_decode_attention_##NAME(const float *q, int64_t q_ts, int64_t q_hs,             \
                                         const int64_t *q_rows, const int64_t *seqs, const int64_t *ctx_lens, \
                                         const int64_t *block_tables, int64_t bt_rs, int64_t mb,  \
                                         const CT *k_cache, const CT *v_cache, int64_t nb, int64_t bs, \
                                         int64_t n, int64_t h, int64_t hkv, int64_t d, int64_t window, \
-                                        float scale, float *out, int threads) {                 \
+                                        const float *sinks, float scale, float *out, int threads) { \
     if (n <= 0 || h <= 0 || hkv <= 0 || d <= 0 || bs <= 0 || h % hkv) return;                   \
     const int64_t g = h / hkv, items = n * hkv;                                                 \
     int64_t max_lp = 8, work = 0;                                                               \
@@ -115,7 +116,8 @@ void zllm_paged_decode_attention_##NAME(const float *q, int64_t q_ts, int64_t q_
                 continue;                                                                       \
             }                                                                                   \
             key_offsets(table, k0, l - k0, bs, hkv * d, hk * d, offs);                          \
-            item_##NAME(q + row * q_ts + hk * g * q_hs, q_hs, k_cache, v_cache, offs, d, d, l - k0, g, scale, o, sc); \
+            item_##NAME(q + row * q_ts + hk * g * q_hs, q_hs, k_cache, v_cache, offs, d, d, l - k0, g, scale, \
+                        sinks ? sinks + hk * g : NULL, o, sc);                                  \
         }                                                                                       \
     }                                                                                           \
 }

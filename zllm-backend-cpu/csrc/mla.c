@@ -145,7 +145,7 @@ void zllm_mla_decode_##NAME(const float *q_nope, int64_t qn_ts, int64_t qn_hs, c
                 continue;                                                                       \
             }                                                                                   \
             key_offsets(table, 0, l, bs, w, 0, offs);                                           \
-            item_##NAME(q_lat + (i * h + h0) * w, w, cache, cache, offs, w, r, l, g, scale, o, sc); \
+            item_##NAME(q_lat + (i * h + h0) * w, w, cache, cache, offs, w, r, l, g, scale, NULL, o, sc); \
         }                                                                                       \
         /* phase C: out[row, hd] = lat[i, hd] . W_UV[hd]^T */                                  \
         _Pragma("omp for schedule(dynamic, 1)")                                                 \

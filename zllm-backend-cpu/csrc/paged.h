@@ -133,9 +133,11 @@ static void accum_##NAME(const CT *vc, const int64_t *offs, int64_t nk, const fl
                                                                                                 \
 /* Query heads q[0 .. G) (head stride q_hs, DK values each) of one row over nk keys -> o [G, DV]. \
  * offs: the keys' element offsets in the caches, padded to round8(nk) with the last one; sc:  \
- * scratch of G * round8(nk) floats. */                                                         \
+ * scratch of G * round8(nk) floats; sinks: the G heads' sink logits (gpt-oss: one more column \
+ * of each softmax, with no value), or NULL. */                                                 \
 static void item_##NAME(const float *q, int64_t q_hs, const CT *kc, const CT *vc, const int64_t *offs, \
-                        int64_t dk, int64_t dv, int64_t nk, int64_t g, float scale, float *o, float *sc) { \
+                        int64_t dk, int64_t dv, int64_t nk, int64_t g, float scale, const float *sinks, \
+                        float *o, float *sc) { \
     const int64_t lp = (nk + 7) & ~(int64_t)7;                                                  \
     const int64_t k_bytes = dk * (int64_t)sizeof(CT), v_bytes = dv * (int64_t)sizeof(CT);       \
     /* pass 1's chunk: KEYS_CHUNK keys, fewer for wide key rows (MLA: W = 576) so that the     \
@@ -160,14 +162,17 @@ static void item_##NAME(const float *q, int64_t q_hs, const CT *kc, const CT *vc
         for (int64_t j = nk; j < lp; j++) s[j] = -INFINITY;                                    \
         __m256 m = _mm256_set1_ps(-INFINITY);                                                   \
         for (int64_t j = 0; j < lp; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));       \
-        const __m256 mv = _mm256_set1_ps(hmax(m));                                              \
+        const float mx = hmax(m), mk = sinks && sinks[gi] > mx ? sinks[gi] : mx;                \
+        const __m256 mv = _mm256_set1_ps(mk);                                                   \
         __m256 sum = _mm256_setzero_ps();                                                       \
         for (int64_t j = 0; j < lp; j += 8) {                                                   \
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));                   \
             _mm256_storeu_ps(s + j, e);                                                         \
             sum = _mm256_add_ps(sum, e);                                                        \
         }                                                                                       \
-        const __m256 tv = _mm256_set1_ps(hsum(sum));                                            \
+        /* the sink's e = exp(sink - max) joins the denominator last */                        \
+        const float sink_e = sinks ? _mm256_cvtss_f32(exp8(_mm256_set1_ps(sinks[gi] - mk))) : 0.0f; \
+        const __m256 tv = _mm256_set1_ps(hsum(sum) + sink_e);                                   \
         for (int64_t j = 0; j < lp; j += 8) _mm256_storeu_ps(s + j, _mm256_div_ps(_mm256_loadu_ps(s + j), tv)); \
     }                                                                                           \
     /* pass 3: weighted sum of the values, a chunk of keys at a time, dims in tiles of up to  \

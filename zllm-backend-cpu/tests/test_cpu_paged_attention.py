@@ -230,3 +230,31 @@ def test_small_calls_run_on_one_thread_and_large_ones_on_two_with_the_same_bits(
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], ref_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta),
                                atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(paged_batch(), st.sampled_from([None, 1, 7, 40]), st.sampled_from([0.0, 1.0, 8.0, -30.0]), st.integers(0, 99))
+def test_sinks_match_reference_in_mixed_batches_and_sliding_windows(batch, window, sink_level, seed):
+    """gpt-oss's sinks: decode rows natively (the sink joins the max and the denominator), the
+    prefill rows on the torch kernel; sinks that dominate the scores (8) or vanish (-30) too."""
+    from zllm.domain.attention_sinks import attention_sinks as ref_sinks
+    from zllm_backend_cpu.kernels.paged_attention import attention_sinks
+
+    q, k, v, k_cache, v_cache, meta = make(batch)
+    if window is not None:
+        meta = drop_outside_window(k_cache, v_cache, meta, window)
+    sinks = sink_level + torch.randn(q.shape[1], generator=torch.Generator().manual_seed(seed))
+    got, expected = run_and_compare(lambda *a: attention_sinks(*a, sinks, window),
+                                    lambda *a: ref_sinks(*a, sinks, window), q, k, v, k_cache, v_cache, meta)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_decode_row_is_the_same_alone_or_in_a_batch():
+    from zllm_backend_cpu.kernels.paged_attention import attention_sinks
+
+    q, k, v, k_cache, v_cache, meta = make((8, 2, 16, 4, [(1, 37), (1, 90), (1, 5)], torch.float16, 3, False))
+    sinks = torch.randn(8)
+    batch = attention_sinks(q, k, v, k_cache.clone(), v_cache.clone(), meta, sinks)
+    alone = AttentionMetadata(meta.slot_mapping[1:2], meta.block_tables[1:2], (1,), (90,), meta.scale)
+    row = attention_sinks(q[1:2], k[1:2], v[1:2], k_cache.clone(), v_cache.clone(), alone, sinks)
+    assert torch.equal(batch[1:2], row)

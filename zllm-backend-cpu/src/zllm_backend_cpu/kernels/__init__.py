@@ -96,6 +96,7 @@ NATIVE_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention", ("paged",), f"{_PKG}.paged_attention:attention"),
     ("attention_sliding", ("paged",), f"{_PKG}.paged_attention:attention_sliding"),
     ("mla_attention", ("paged",), f"{_PKG}.paged_mla:mla_attention"),
+    ("attention_sinks", ("paged",), f"{_PKG}.paged_attention:attention_sinks"),
     ("moe", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_gemv"),
     ("moe_clamped_swiglu", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_clamped_swiglu_gemv"),
 ]

@@ -35,6 +35,7 @@ import torch
 
 from zllm.plugin_api import AttentionMetadata
 from zllm_backend_cpu.kernels import attention as torch_attention
+from zllm_backend_cpu.kernels import attention_sinks as torch_sinks
 from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
 
 NATIVE_QUERY_ROWS = 16
@@ -45,8 +46,8 @@ in torch, faster than that many decode rows."""
 # zllm_kv_write_<c>(k, k_ts, k_hs, v, v_ts, v_hs, slots, T, Hkv, D, k_cache, v_cache, NB * BS, threads)
 _WRITE_ARGTYPES = (P, I64, I64, P, I64, I64, P, I64, I64, I64, P, P, I64, INT)
 # zllm_paged_decode_attention_<c>(q, q_ts, q_hs, q_rows | NULL, seqs | NULL, ctx_lens, block_tables,
-#     bt_rs, MB, k_cache, v_cache, NB, BS, S', H, Hkv, D, window (0: none), scale, out, threads)
-_DECODE_ARGTYPES = (P, I64, I64, P, P, P, P, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I64, F32, P, INT)
+#     bt_rs, MB, k_cache, v_cache, NB, BS, S', H, Hkv, D, window (0: none), sinks | NULL, scale, out, threads)
+_DECODE_ARGTYPES = (P, I64, I64, P, P, P, P, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I64, P, F32, P, INT)
 _KERNELS = {
     dtype: (function(f"zllm_kv_write_{name}", *_WRITE_ARGTYPES),
             function(f"zllm_paged_decode_attention_{name}", *_DECODE_ARGTYPES))
@@ -84,16 +85,39 @@ def attention_sliding(
     return _attention(q, k, v, k_cache, v_cache, meta, window)
 
 
-def _torch_kernel(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) -> torch.Tensor:
+def attention_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    sinks: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention with sinks (gpt-oss, :mod:`zllm.domain.attention_sinks`): as :func:`attention`
+    (``window`` None) or :func:`attention_sliding`, each head's softmax taking ``sinks[h]``
+    (f32 ``[H]``) as one more logit with no value. Decode rows natively (the sink joins the
+    softmax's max and, last, its denominator); prefill sequences through :mod:`.attention_sinks`."""
+    assert window is None or window > 0, window
+    assert sinks.shape == (q.shape[1],), (sinks.shape, q.shape)
+    return _attention(q, k, v, k_cache, v_cache, meta, window or 0, sinks.float().contiguous())
+
+
+def _torch_kernel(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    if sinks is not None:
+        return torch_sinks.attention_sinks(q, k, v, k_cache, v_cache, meta, sinks, window or None)
     if window:
         return torch_attention.attention_sliding(q, k, v, k_cache, v_cache, meta, window)
     return torch_attention.attention(q, k, v, k_cache, v_cache, meta)
 
 
-def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) -> torch.Tensor:
+def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     kernels = _KERNELS.get(k_cache.dtype)
     if kernels is None or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return _torch_kernel(q, k, v, k_cache, v_cache, meta, window)
+        return _torch_kernel(q, k, v, k_cache, v_cache, meta, window, sinks)
     write, decode = kernels
     t, h, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
@@ -122,10 +146,10 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int) 
         else:
             rows, seqs, ptr = ptr, ptr + 8 * n, ptr + 16 * n
         decode(q.data_ptr(), q.stride(0), q.stride(1), rows, seqs, ptr, tables.data_ptr(), tables.stride(0),
-               tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, n, h, hkv, d, window, meta.scale,
-               out.data_ptr(), threads)
+               tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, n, h, hkv, d, window,
+               None if sinks is None else sinks.data_ptr(), meta.scale, out.data_ptr(), threads)
     if prefill:
-        _prefill(q, k, v, k_cache, v_cache, meta, window, prefill, out)
+        _prefill(q, k, v, k_cache, v_cache, meta, window, prefill, out, sinks)
     return out
 
 
@@ -185,7 +209,8 @@ def _plan(meta: AttentionMetadata, t: int) -> tuple[int, array, list[int]]:
 
 
 def _prefill(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, prefill: list[int], out: torch.Tensor
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int, prefill: list[int], out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The prefill sequences ``prefill`` through the torch kernel, their rows into ``out``."""
     starts = [0]
@@ -200,4 +225,4 @@ def _prefill(
     sub = AttentionMetadata(meta.slot_mapping[idx], meta.block_tables[prefill],
                             tuple(meta.query_lens[s] for s in prefill), tuple(meta.context_lens[s] for s in prefill),
                             meta.scale)
-    out[idx] = _torch_kernel(q[idx], k[idx], v[idx], k_cache, v_cache, sub, window)
+    out[idx] = _torch_kernel(q[idx], k[idx], v[idx], k_cache, v_cache, sub, window, sinks)
