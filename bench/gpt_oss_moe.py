@@ -41,6 +41,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 
 from models import GENERATED, OUT  # noqa: E402
+from quant_models import per_round_ratio  # noqa: E402
 from run import best_bandwidth, limit_bandwidth, measure_bandwidth, random_prompt, resolve_llama_cpp, run_worker  # noqa: E402
 
 CONVERTER = REPO / "tests" / "llama_cpp_converter" / "convert_hf_to_gguf.py"
@@ -181,18 +182,12 @@ def measure(size: str, rounds: int, threads: int, prompt_len: int, new_tokens: i
                             ("zllm hf-mxfp4", "transformers hf-mxfp4", "vs_transformers")):
         a, b = summary.get(row), summary.get(other)
         if a and b and "error" not in a and "error" not in b:
-            a[key] = {"decode": _per_round_ratio(runs[row], runs[other], "decode_tok_s"),
-                      "prefill": _per_round_ratio(runs[row], runs[other], "prefill_tok_s")}
+            a[key] = {"decode": per_round_ratio(runs[row], runs[other], "decode_tok_s"),
+                      "prefill": per_round_ratio(runs[row], runs[other], "prefill_tok_s")}
     return {"size": size, "config": {k: cfg.get(k) for k in (*SIZES["bench"], "vocab_size")},
             "rounds": rounds, "threads": threads, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
             "llama_cpp": peer.get("source") or peer.get("why"), "vocab": VOCAB,
             "bandwidth": {k: bw.get(k) for k in ("dram_gb_s", "cache_curve_gb_s")}, "rows": summary, "runs": runs}
-
-
-def _per_round_ratio(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> float | None:
-    """Median over rounds of ``a[r][key] / b[r][key]`` (rounds where both ran)."""
-    ratios = [x[key] / y[key] for x, y in zip(a, b, strict=False) if "error" not in x and "error" not in y]
-    return statistics.median(ratios) if ratios else None
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -190,10 +190,10 @@ def summarize(name: str, paths: dict[str, Path], runs: dict[str, list[dict[str, 
         q8 = summary.get("zllm q8_0")
         hf_row = summary.get(f"transformers {key}")
         if key in HF_LAYOUTS and peer and "error" not in peer:
-            row["decode_vs_gguf"] = _per_round_ratio(runs[f"zllm {key}"], runs[f"zllm {HF_LAYOUTS[key][1]}"],
+            row["decode_vs_gguf"] = per_round_ratio(runs[f"zllm {key}"], runs[f"zllm {HF_LAYOUTS[key][1]}"],
                                                      "decode_tok_s")
         if q8 and "error" not in q8 and key != "q8_0":
-            row["prefill_vs_q8_0"] = _per_round_ratio(runs[f"zllm {key}"], runs["zllm q8_0"], "prefill_tok_s")
+            row["prefill_vs_q8_0"] = per_round_ratio(runs[f"zllm {key}"], runs["zllm q8_0"], "prefill_tok_s")
         if hf_row and "error" not in hf_row:
             row["decode_vs_transformers"] = row["decode_tok_s"] / hf_row["decode_tok_s"]
             row["prefill_vs_transformers"] = row["prefill_tok_s"] / hf_row["prefill_tok_s"]
@@ -202,7 +202,7 @@ def summarize(name: str, paths: dict[str, Path], runs: dict[str, list[dict[str, 
             "rows": summary}
 
 
-def _per_round_ratio(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> float | None:
+def per_round_ratio(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> float | None:
     """Median over rounds of ``a[r][key] / b[r][key]`` (rounds where both ran)."""
     ratios = [x[key] / y[key] for x, y in zip(a, b, strict=False) if "error" not in x and "error" not in y]
     return statistics.median(ratios) if ratios else None

@@ -264,6 +264,11 @@ def _ct_fp4(ctx: PlanContext, prefix: str, group: _CtGroup, fmt: str) -> None:
     ctx.skip_activation_scales(prefix, ("input_global_scale", "input_scale"))
 
 
+#: Unpacked quantized weights by stored dtype: what the weight is, the ``format`` that stores
+#: it (``naive-quantized``, their common compressor, stores it alike) and its fold.
+_UNPACKED = {"F8_E4M3": ("FP8", "float-quantized", _ct_float), "I8": ("int8", "int-quantized", _ct_int)}
+
+
 def plan_compressed_tensors(ctx: PlanContext) -> None:
     """``quant_method: compressed-tensors``: every ``X.weight_packed`` and F8 ``X.weight``, by its group's format."""
     groups = _ct_groups(ctx)
@@ -277,15 +282,10 @@ def plan_compressed_tensors(ctx: PlanContext) -> None:
                 _ct_fp4(ctx, prefix, group, group.format.split("-")[0])
             else:
                 raise ctx.error(name, f"packed weight, but its config group's format is {group.format!r}")
-        elif name.endswith(".weight") and entry.dtype == "F8_E4M3":
+        elif name.endswith(".weight") and entry.dtype in _UNPACKED:
+            kind, fmt, fold = _UNPACKED[entry.dtype]
             prefix = name.removesuffix("weight")
             group = _ct_group_of(ctx, groups, prefix.rstrip("."))
-            if group.format not in ("float-quantized", "naive-quantized"):
-                raise ctx.error(name, f"FP8 weight, but its config group's format is {group.format!r}")
-            _ct_float(ctx, prefix, group)
-        elif name.endswith(".weight") and entry.dtype == "I8":
-            prefix = name.removesuffix("weight")
-            group = _ct_group_of(ctx, groups, prefix.rstrip("."))
-            if group.format not in ("int-quantized", "naive-quantized"):
-                raise ctx.error(name, f"int8 weight, but its config group's format is {group.format!r}")
-            _ct_int(ctx, prefix, group)
+            if group.format not in (fmt, "naive-quantized"):
+                raise ctx.error(name, f"{kind} weight, but its config group's format is {group.format!r}")
+            fold(ctx, prefix, group)
