@@ -18,6 +18,7 @@ ids, so the tokenizer only matters for detokenizing the output.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 OUT = BENCH / "out"
 GENERATED = OUT / "models"
+sys.path.insert(0, str(REPO))  # the test checkpoint writers (tests/) build some of the models
 SPM_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-llama-spm.gguf"
-GPT2_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-gpt-2.gguf"
 #: GGUF weight types the harness benchmarks, lower-case as in zllm configs and ``--outtype``.
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -117,33 +118,13 @@ def build_spm_tokenizer(directory: Path) -> None:
     }, indent=2) + "\n")
 
 
-def build_gpt2_tokenizer(directory: Path) -> None:
-    """Write GPT-2's byte-level BPE (vocabulary and merges of :data:`GPT2_VOCAB`) as an HF
-    ``tokenizer.json`` + ``tokenizer_config.json``: llama.cpp's converter refuses the Llama
-    SentencePiece tokenizer for ``qwen3moe`` and ``deepseek2`` files, and recognises this one
-    (``tokenizer.ggml.pre = gpt-2``)."""
-    import gguf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    fields = gguf.GGUFReader(str(GPT2_VOCAB)).fields
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.save(str(directory / "tokenizer.json"))
-    eos = tokens[-1]  # <|endoftext|>
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "unk_token": eos,
-         "add_prefix_space": False}, indent=2) + "\n")
-
-
 def create_random_moe(directory: Path, config: dict[str, Any], seed: int = 0) -> None:
     """Save a randomly initialised MoE model of ``config["model_type"]`` (f32, safetensors,
     per-expert tensors as ``save_pretrained`` writes them) plus GPT-2's tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.gpt2_bpe import write_gpt2_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / _DONE_MARKER).unlink(missing_ok=True)
@@ -151,7 +132,7 @@ def create_random_moe(directory: Path, config: dict[str, Any], seed: int = 0) ->
     cfg = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(directory, safe_serialization=True)
-    build_gpt2_tokenizer(directory)
+    write_gpt2_tokenizer(directory)
     (directory / _DONE_MARKER).write_text(f"{_MOE_LAYOUT}\nseed={seed}\n")
 
 
@@ -288,8 +269,6 @@ def model_info(path: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # python bench/models.py NAME...: create generated models (and their GGUFs) now
-    import sys
-
     sys.path.insert(0, str(BENCH))
     for arg in sys.argv[1:] or list(MODELS):
         print(arg, ensure(arg))

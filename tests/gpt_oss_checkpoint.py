@@ -27,21 +27,19 @@ import json
 import shutil
 from pathlib import Path
 
-import gguf
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken
 
-from tests.conftest import REPO
+from tests.gpt2_bpe import GPT2_VOCAB_SIZE, gpt2_tokenizer
 from zllm.conformance.quantizers import quantize_mxfp4
 
-GPT2_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-gpt-2.gguf"
 #: harmony's special tokens, added after GPT-2's vocabulary in this order.
 HARMONY_SPECIALS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>",
                     "<|constrain|>")
-VOCAB = 50257 + len(HARMONY_SPECIALS)
-RETURN_ID = 50257 + HARMONY_SPECIALS.index("<|return|>")
+VOCAB = GPT2_VOCAB_SIZE + len(HARMONY_SPECIALS)
+RETURN_ID = GPT2_VOCAB_SIZE + HARMONY_SPECIALS.index("<|return|>")
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "<|start|>{{ message['role'] }}"
@@ -62,14 +60,8 @@ CONFIG = dict(
 
 @functools.cache
 def _tokenizer_json() -> str:
-    """The tokenizer, serialised; built once per process (reading the vocabulary file takes seconds)."""
-    fields = gguf.GGUFReader(GPT2_VOCAB).fields
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    """GPT-2's BPE with harmony's specials added, serialised once per process."""
+    tok = gpt2_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_SPECIALS])
     assert tok.get_vocab_size() == VOCAB and tok.token_to_id("<|return|>") == RETURN_ID
     return tok.to_str()

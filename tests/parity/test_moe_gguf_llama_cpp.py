@@ -35,11 +35,11 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 import zllm
 from tests.conftest import REPO, write_config
 from tests.gguf_files import with_metadata
+from tests.gpt2_bpe import write_gpt2_tokenizer
 from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits
 from zllm.plugins.host import PluginHost
 from zllm.spec.errors import ZllmError
@@ -49,7 +49,6 @@ from zllm.weights.formats import QuantizedTensor
 pytestmark = pytest.mark.slow  # a converter run per model and format (a few seconds each)
 
 CONVERTER = REPO / "tests" / "llama_cpp_converter" / "convert_hf_to_gguf.py"
-GPT2_VOCAB = REPO / "assets" / "models" / "llama.cpp-vocab" / "ggml-vocab-gpt-2.gguf"
 VOCAB = 50257  # ggml-vocab-gpt-2.gguf
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
             rms_norm_eps=1e-5, bos_token_id=50256, eos_token_id=50256, num_attention_heads=4,
@@ -73,24 +72,6 @@ CASES = {
 }
 
 
-def _gpt2_tokenizer(dst: Path) -> None:
-    """``tokenizer.json`` + ``tokenizer_config.json`` of GPT-2's byte-level BPE, from the
-    vocabulary and merges in llama.cpp's ``ggml-vocab-gpt-2.gguf`` (GPT-2's own pre-tokenizer
-    and decoder: byte-level, no prefix space)."""
-    fields = gguf.GGUFReader(GPT2_VOCAB).fields
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.save(str(dst / "tokenizer.json"))
-    eos = tokens[VOCAB - 1]
-    (dst / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "unk_token": eos,
-         "add_prefix_space": False}))
-
-
 def _save(root: Path, case: str):
     """The case's model, seeded, widened x4 (as every parity test: random init is near
     uniform), saved with ``save_pretrained`` and the GPT-2 tokenizer."""
@@ -110,7 +91,7 @@ def _save(root: Path, case: str):
         # transformers does not save scoring_func; without it the converter writes softmax gating.
         cfg = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid"}))
-    _gpt2_tokenizer(path)
+    write_gpt2_tokenizer(path)
     return model, path
 
 
