@@ -40,6 +40,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(predicate, timeout_s: float = 20.0) -> bool:
+    """Poll ``predicate`` every 20 ms until it holds or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
 class Server:
     """A running ``zllm serve``: ``url``, ``model`` (the served name), ``config`` (its config
     file, for an in-process Engine of the same model), ``metrics()``."""

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import wait_until
+
 PROMPTS = ["Once upon a time", "The cat", "Lily and Ben", "One day", "The sun was", "Tom had a big",
            "A little bird", "She went to the", "The dog ran", "Sam", "It was a sunny day", "Mom said",
            "The little boat", "Anna found a", "Ben and his", "The big tree"]
@@ -46,15 +48,6 @@ def test_concurrent_streams_share_decode_rounds(client, server):
             time.sleep(0.02)
         [f.result() for f in futures]
     assert peak >= 2
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/completions-nonstream"])

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import Server, chat_model_dir, start_server
+from tests.server.conftest import Server, chat_model_dir, start_server, wait_until
 
 pytestmark = pytest.mark.slow  # two replicas start: seconds of model loading each
 
@@ -171,15 +170,6 @@ def test_a_replica_refusing_connections_is_taken_out_and_the_request_goes_to_ano
     reply = asyncio.run(ask())
     assert reply.status_code == 200 and reply.headers[REPLICA] == "1" and reply.json()["choices"][0]["text"]
     assert frontend.router.alive == [False, True] and frontend.router.in_flight == [0, 0]
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.mark.parametrize("stream", [True, False])
