@@ -123,13 +123,14 @@ def bytes_per_token(path: Path, cfg: dict[str, Any]) -> int:
 def measure(size: str, rounds: int, threads: int, prompt_len: int, new_tokens: int, work: Path,
             transformers: bool, llama_cpp: bool, bandwidth: bool, timeout: float, seed: int = 0) -> dict[str, Any]:
     """Build what is missing, run ``rounds`` interleaved rounds of every row; the report dict."""
+    from tests.gpt2_bpe import GPT2_VOCAB_SIZE
     from tests.gpt_oss_checkpoint import RETURN_ID, VOCAB
 
     hf_dir = ensure_checkpoint(size, work)
     gguf = ensure_gguf(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
     rng = random.Random(seed)
-    info = {"bos_token_id": None, "eos_token_ids": [RETURN_ID], "vocab_size": 50257}  # plain GPT-2 ids
+    info = {"bos_token_id": None, "eos_token_ids": [RETURN_ID], "vocab_size": GPT2_VOCAB_SIZE}  # plain GPT-2 ids
     prompt, warmup = random_prompt(rng, prompt_len, info), random_prompt(rng, prompt_len, info)
     peer = resolve_llama_cpp("bench") if llama_cpp else {"kind": None, "why": "--no-llama-cpp"}
     rows: dict[str, dict[str, Any]] = {

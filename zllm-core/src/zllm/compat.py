@@ -254,8 +254,7 @@ def column_capabilities(family: Any, column: str, weight_fmt: str) -> frozenset[
 
     needed = without_retired(family.format_capabilities(weight_fmt))
     if column.startswith("hf-") and weight_fmt in FORMATS:
-        embedding = {c for c in needed if c.op == "embedding"}
-        needed = (needed - embedding) | {Capability("embedding", HF_EMBEDDING_FORMAT)} if embedding else needed
+        needed = {c for c in needed if c.op != "embedding"} | {Capability("embedding", HF_EMBEDDING_FORMAT)}
     return frozenset(needed)
 
 
