@@ -252,10 +252,10 @@ def column_capabilities(family: Any, column: str, weight_fmt: str) -> frozenset[
     from zllm.capabilities import Capability
     from zllm.domain.ops import without_retired
 
-    needed = without_retired(family.format_capabilities(weight_fmt))
+    needed = frozenset(without_retired(family.format_capabilities(weight_fmt)))
     if column.startswith("hf-") and weight_fmt in FORMATS:
-        needed = {c for c in needed if c.op != "embedding"} | {Capability("embedding", HF_EMBEDDING_FORMAT)}
-    return frozenset(needed)
+        return frozenset(c for c in needed if c.op != "embedding") | {Capability("embedding", HF_EMBEDDING_FORMAT)}
+    return needed
 
 
 def compute_matrix(host: PluginHost, verified: Path | None = None) -> CompatMatrix:
