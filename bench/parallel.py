@@ -95,15 +95,19 @@ def config(path: Path, threads: int, tensor: int = 1, pipeline: int = 1, seqs: i
 
 
 def decode_row(engine, prompt: list[int], new_tokens: int, clock: CollectiveClock | None) -> dict[str, float]:
-    """Batch 1: decode tokens/s (after the first token), step ms, and collective ms per step."""
+    """Batch 1: decode tokens/s (after the first token), step ms, and collective ms and calls per
+    step. The collectives are counted over the whole request, prefill included (every step makes
+    the same calls), from before it is submitted to after its last token: the engine's thread
+    starts the next step before this one sees a token, so a count read at the first token
+    would miss the calls that step already made."""
     req = {"prompt_token_ids": prompt, "max_tokens": new_tokens, "ignore_eos": True}
     first = last = 0.0
-    at_first = (0.0, 0)
+    at_start = clock.read() if clock else (0.0, 0)
     n = 0
     for event in engine.generate_stream(req):
         got = len(event.get("token_ids", []))
         if got and n == 0:
-            first, at_first = time.perf_counter(), clock.read() if clock else (0.0, 0)
+            first = time.perf_counter()
         n += got
         if got:
             last = time.perf_counter()
@@ -112,8 +116,8 @@ def decode_row(engine, prompt: list[int], new_tokens: int, clock: CollectiveCloc
     row = {"decode_tok_s": steps / (last - first), "step_ms": 1e3 * step_s}
     if clock is not None:
         seconds, calls = clock.read()
-        row |= {"collective_ms_per_step": 1e3 * (seconds - at_first[0]) / steps,
-                "collectives_per_step": (calls - at_first[1]) / steps}
+        row |= {"collective_ms_per_step": 1e3 * (seconds - at_start[0]) / n,
+                "collectives_per_step": (calls - at_start[1]) / n}
         row["collective_share"] = row["collective_ms_per_step"] / row["step_ms"]
     return row
 
