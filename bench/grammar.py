@@ -9,9 +9,10 @@
   ``response_format: json_schema`` — alternately, ``--repeats`` times. The schema
   (:func:`decode_schema`) is an object holding one string whose ``minLength`` the requested
   tokens cannot reach, so the grammar constrains every token and never ends a sequence early:
-  both runs have the same batch at every step. Decode tok/s counts the tokens delivered after
-  every sequence had its first one, over that time. On the engine loop's thread
-  ``perf_counter`` wrappers time every decode step (``LLMEngine.step``), the model's forward,
+  both runs have the same batch at every step. Decode tok/s counts the tokens the engine's steps
+  made after the last step that gave a sequence its first token, over those steps' time, read
+  on the engine loop's thread (a consumer of buffered streams can receive a short run's tokens
+  all at once). There ``perf_counter`` wrappers time every decode step (``LLMEngine.step``), the model's forward,
   the runtime's sampler and the grammar matchers' work (llguidance's token mask, ``allowed_tokens``, and advancing
   it, ``accept``); each is the median per decode step. The grammar's cost per step is the
   matchers' time plus the extra sampling time (the mask applied to the logits, and the full
@@ -128,13 +129,16 @@ class StepClock:
     the grammar matchers, recorded on the engine loop's thread by wrappers around the loaded
     engine's ``step``, ``runner.model.forward`` and ``runner.sampler`` and around
     :class:`zllm.runtime.grammar.GrammarMatcher`'s ``allowed_tokens`` and ``accept``.
-    ``steps``: ``(end time, {label: seconds})`` per step."""
+    ``steps``: ``(end time, {label: seconds}, tokens, first)`` per step, ``first`` True when the
+    step gave some sequence its first token (a prefill step). Everything is read on the engine
+    thread: a consumer reading buffered streams may see every token of a short run at once."""
 
     def __init__(self, engine):
         from zllm.runtime.grammar import GrammarMatcher
 
         self._seconds: dict[str, float] = defaultdict(float)
-        self.steps: list[tuple[float, dict[str, float]]] = []
+        self.steps: list[tuple[float, dict[str, float], int, bool]] = []
+        self._seen: set[int] = set()
         llm = engine.llm
         step = llm.step
 
@@ -144,7 +148,9 @@ class StepClock:
             outputs = step()
             t1 = time.perf_counter()
             spent = {k: v - before.get(k, 0.0) for k, v in self._seconds.items()}
-            self.steps.append((t1, {**spent, "step": t1 - t0}))
+            fresh = {id(o.seq) for o in outputs if o.token_ids} - self._seen
+            self._seen |= fresh
+            self.steps.append((t1, {**spent, "step": t1 - t0}, sum(len(o.token_ids) for o in outputs), bool(fresh)))
             return outputs
 
         llm.step = timed_step
@@ -165,23 +171,32 @@ class StepClock:
 
         return timed
 
-    def medians_ms(self, after: float) -> dict[str, float]:
-        """Median ms per step of each label over the steps that ended after ``after``."""
-        steps = [spent for end, spent in self.steps if end > after]
+    def reset(self) -> None:
+        self.steps.clear()
+        self._seen.clear()
+
+    def decode(self) -> tuple[float | None, dict[str, float]]:
+        """Decode tok/s and the median ms per step of each label, over the steps after the
+        last step that gave a sequence its first token (``None`` and ``{}`` when there are none)."""
+        last_first = max((i for i, (_, _, _, first) in enumerate(self.steps) if first), default=-1)
+        steps = self.steps[last_first + 1:]
+        if not steps:
+            return None, {}
+        start = self.steps[last_first][0] if last_first >= 0 else steps[0][0] - steps[0][1]["step"]
+        tok_s = sum(n for _, _, n, _ in steps) / (steps[-1][0] - start)
         labels = ("step", "forward", "sample", "matcher")
-        return {k: 1000 * statistics.median(s.get(k, 0.0) for s in steps) for k in labels} if steps else {}
+        return tok_s, {k: 1000 * statistics.median(spent.get(k, 0.0) for _, spent, _, _ in steps) for k in labels}
 
 
 def decode_run(engine, clock: StepClock, prompts: list[list[int]], new_tokens: int,
                schema: dict[str, Any] | None) -> dict[str, Any]:
     """All ``prompts`` at once, streams drained round-robin from this thread (as
-    ``bench/worker.py``'s batched run does): tokens delivered, decode tok/s and the median
+    ``bench/worker.py``'s batched run does): tokens delivered, and decode tok/s and the median
     ms per decode step (:class:`StepClock`) of the steps after every sequence had its first token."""
-    clock.steps.clear()
+    clock.reset()
     start = time.perf_counter()
     streams = {i: engine.generate_stream(request(p, new_tokens, schema)) for i, p in enumerate(prompts)}
-    first: dict[int, float] = {}
-    stamps: list[tuple[float, int]] = []
+    generated = 0
     finish: dict[int, str] = {}
     while streams:
         for i, stream in list(streams.items()):
@@ -190,16 +205,11 @@ def decode_run(engine, clock: StepClock, prompts: list[list[int]], new_tokens: i
                 del streams[i]
             elif event["type"] == "final":
                 finish[i] = event["finish_reason"]
-            elif event["token_ids"]:
-                now = time.perf_counter()
-                first.setdefault(i, now)
-                stamps.append((now, len(event["token_ids"])))
-    end = time.perf_counter()
-    decode_from = max(first.values())
-    decoded = sum(n for t, n in stamps if t > decode_from)
-    return {"generated_tokens": sum(n for _, n in stamps), "finish_reasons": sorted(set(finish.values())),
-            "decode_tok_s": decoded / (end - decode_from) if decoded and end > decode_from else None,
-            "total_s": end - start, "per_step_ms": clock.medians_ms(decode_from)}
+            else:
+                generated += len(event["token_ids"])
+    tok_s, per_step = clock.decode()
+    return {"generated_tokens": generated, "finish_reasons": sorted(set(finish.values())),
+            "decode_tok_s": tok_s, "total_s": time.perf_counter() - start, "per_step_ms": per_step}
 
 
 def first_token_s(engine, prompt: list[int], schema: dict[str, Any] | None) -> dict[str, float]:
