@@ -127,7 +127,8 @@ def _descriptor(matrices: list[Weight], shared: SharedExperts | None) -> tuple[c
     described = [_matrix(m) for m in matrices]
     desc = (ctypes.c_int64 * 24)(*(v for d, _ in described for v in d))
     held = [data for _, data in described]
-    if all(data is (m.data if isinstance(m, QuantizedTensor) else m) for (_, data), m in zip(described, matrices)):
+    if all(data is (m.data if isinstance(m, QuantizedTensor) else m)
+           for (_, data), m in zip(described, matrices, strict=True)):
         _DESCRIPTORS[matrices[0]] = (matrices[1], matrices[2], shared, desc)
     return desc, held
 

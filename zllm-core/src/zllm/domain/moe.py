@@ -42,6 +42,7 @@ than the kept groups hold.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -184,7 +185,7 @@ def _topk_lowest_index(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     n = values.shape[-1]
     if k < n:
         top, ids = values.topk(k + 1, dim=-1)  # [T, k + 1], descending
-        if all(all(a > b for a, b in zip(row, row[1:])) for row in top.tolist()):
+        if all(all(a > b for a, b in itertools.pairwise(row)) for row in top.tolist()):
             return ids[:, :k], top[:, :k]
     order = torch.sort(values, dim=-1, descending=True, stable=True)
     return order.indices[:, :k], order.values[:, :k]
