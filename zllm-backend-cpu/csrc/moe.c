@@ -342,11 +342,17 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     for (int64_t p = pairs; p < ptot; p++) pair_of[p] = -1 - (p - pairs); /* shared pair of token p - pairs */
 
     /* A: x gathered (and quantized) per pair in bucket order; on one thread, as E: a few
-     * microseconds a decode step, and no barrier for a descheduled thread to hold up */
+     * microseconds a decode step, and no barrier for a descheduled thread to hold up. A token
+     * is quantized at its first pair (the lowest bucket position) and copied to the others. */
     for (int64_t p = 0; p < ptot; p++) {
         const int64_t tok = pair_of[p] >= 0 ? pair_of[p] / top_k : -1 - pair_of[p];
+        const int64_t first = top_k > 0 ? tok_pairs[tok * top_k] : p;
         if (need_xf) memcpy(xg + p * k, x + tok * xs, (size_t)k * sizeof(float));
-        if (need_xq) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
+        if (need_xq && first == p) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
+        else if (need_xq) {
+            memcpy(xq + p * k, xq + first * k, (size_t)k * sizeof(int16_t));
+            memcpy(xsc + p * (k / 32), xsc + first * (k / 32), (size_t)(k / 32) * sizeof(float));
+        }
     }
     for (int j = 0; j < njobs; j++) b_left[j] = (jobs[j].width + rows_b - 1) / rows_b;
 
