@@ -19,7 +19,8 @@ Each of ``--rounds`` rounds times every case back to back (order alternating), e
 mean of ``--calls`` calls. ``--cpu-time`` times the calling thread's CPU time instead of the
 wall clock: with ``--threads 1`` the call runs on that thread, and its CPU time does not count
 the time other processes of a busy machine hold the core. ``--gap-ms``: a sleep before each call
-(untimed), as the Python between two layers' calls, so the team's threads may go idle. Prints
+(untimed), as the Python between two layers' calls, so the team's threads may go idle.
+``--isa avx2`` runs every build's AVX2 row kernels (default: the best level the CPU has). Prints
 median and best per case, GB/s of its bytes and the median of the per-round ratios to the
 first build.
 """
@@ -139,9 +140,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--gap-ms", type=float, default=0.0)
     p.add_argument("--cpu-time", action="store_true")
+    p.add_argument("--isa", choices=("avx2", "avx512"), help="row kernel level, every build (default: the best)")
     args = p.parse_args()
     torch.manual_seed(0)
     libs = [load(path) for path in args.libs.split(",")]
+    for lib in libs if args.isa else []:
+        lib.zllm_native_select_isa(1 if args.isa == "avx512" else 0)
     print(f"{'shape':<12} {'T':>3} {'case':<6} {'median us':>10} {'best us':>9} {'GB/s':>6} {'vs moe:0':>8}")
     for shape in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -138,9 +138,9 @@ AVX512 static void rows512_##NAME(const gemv_args *a, int64_t r0, int64_t r1) { 
         const int16_t *xq = a->xq + t * k;                                                      \
         const float *xs = a->xsc + t * (k / 32);                                                \
         float *y = a->y + t * n + r;                                                            \
-        if (left == 3) dot512_##NAME(wr, xq, xs, k, br, y, n, 3);                               \
+        if (left == 1) dot512_##NAME(wr, xq, xs, k, br, y, n, 1);                               \
         else if (left == 2) dot512_##NAME(wr, xq, xs, k, br, y, n, 2);                          \
-        else if (left == 1) dot512_##NAME(wr, xq, xs, k, br, y, n, 1);                          \
+        else if (left == 3) dot512_##NAME(wr, xq, xs, k, br, y, n, 3);                          \
     }                                                                                           \
 }
 
