@@ -71,7 +71,8 @@
 #define ARENA_KEEP_BYTES (4 << 20)     /* scratch kept between calls, per calling thread */
 #define GATE_UP_ROWS 4                 /* gate rows, then as many up rows, in step B */
 
-#define SPIN_PAUSES 2000 /* a wait's pause instructions before it yields (~28 ns each on this machine's EPYC) */
+/* A wait's pause instructions before it yields (~28 ns each on the benchmark machine's EPYC). */
+#define SPIN_PAUSES 2000
 
 /* Waits until cond holds: spinning first, then yielding (file comment, Threads). */
 #define WAIT_UNTIL(cond)                                                                       \
@@ -197,10 +198,11 @@ static void take_items(const moe_ctx *c, void (*fn)(const moe_ctx *, int64_t), i
     }
 }
 
-/* A call's scratch: the calling thread's arena, grown to the largest call up to ARENA_KEEP_BYTES
- * and kept (a decode step's MoE calls then neither allocate nor fault pages in: at 16 tokens a
- * Qwen3-MoE layer's 1.4 MB from malloc were ~10 fresh pages a call), or for a larger call (a
- * prefill chunk) its own block, freed by scratch_done. NULL when it cannot be allocated. */
+/* A call's scratch (`bytes` a multiple of 64): the calling thread's arena, grown to twice the
+ * largest call up to ARENA_KEEP_BYTES and kept for the thread's life (a decode step's MoE calls
+ * then neither allocate nor fault pages in: at 16 tokens a Qwen3-MoE layer's 1.3 MB from malloc
+ * were ~10 fresh pages a call), or for a larger call (a prefill chunk) its own block, freed by
+ * scratch_done. NULL when it cannot be allocated. */
 static _Thread_local struct {
     unsigned char *base;
     size_t bytes;
@@ -209,9 +211,10 @@ static _Thread_local struct {
 static unsigned char *scratch(size_t bytes) {
     if (bytes > ARENA_KEEP_BYTES) return aligned_alloc(64, bytes);
     if (bytes > arena.bytes) {
+        const size_t grown = 2 * bytes < ARENA_KEEP_BYTES ? 2 * bytes : ARENA_KEEP_BYTES;
         free(arena.base);
-        arena.base = aligned_alloc(64, ARENA_KEEP_BYTES < 2 * bytes ? ARENA_KEEP_BYTES : 2 * bytes);
-        arena.bytes = arena.base ? (ARENA_KEEP_BYTES < 2 * bytes ? ARENA_KEEP_BYTES : 2 * bytes) : 0;
+        arena.base = aligned_alloc(64, grown);
+        arena.bytes = arena.base ? grown : 0;
     }
     return arena.base;
 }
