@@ -224,8 +224,25 @@ def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
     tensors["m.scales"][0, 3] = float("nan")
     ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": K,
                                                       "checkpoint_format": "gptq_v2"}))
-    with pytest.raises(TensorError, match=r"'m.scales': NaN scale at index \[3, 0\]"):
+    # the index is the stored tensor's ([K/g, N]), not the transposed [N, K/g] the kernels get
+    with pytest.raises(TensorError, match=r"'m.scales': NaN scale at index \[0, 3\]"):
         load_weights(ckpt, {"m.weight": TensorSpec((N, K))})
+
+
+@pytest.mark.parametrize(("build", "tensor", "what"), [
+    (lambda p: _gptq(p, tensors={"m.scales": torch.tensor([S[:3] + [-float("inf")] + S[4:]], dtype=torch.float16)}),
+     "m.scales", "infinite scale at index [0, 3] (1 infinite of 8)"),
+    (lambda p: _w8a8(p, tensors={"m.weight_scale": torch.tensor(S[:5] + [float("inf")] + S[6:]).reshape(N, 1)}),
+     "m.weight_scale", "infinite scale at index [5, 0] (1 infinite of 8)"),
+    (lambda p: _modelopt_fp8(p, tensors={"m.weight_scale": torch.tensor(float("inf"))}),
+     "m.weight_scale", "infinite scale at index [] (1 infinite of 1)"),
+])
+def test_infinite_scale_is_named_when_the_weight_loads(tmp_path, build, tensor, what):
+    # An inf scale decodes to inf and NaN weights: the run gave empty text and no error.
+    ckpt = open_checkpoint(build(tmp_path))
+    with pytest.raises(TensorError) as err:
+        load_weights(ckpt, {"m.weight": TensorSpec((N, K))})
+    assert err.value.tensor == tensor and what in str(err.value)
 
 
 def test_modelopt_export_without_quantization_config_reads_hf_quant_config(tmp_path):

@@ -28,9 +28,9 @@ from zllm.weights.hf_quant.plan import (
     Reader,
     ceil_div,
     check_keys,
+    finite_scale,
     group_perm,
     int_weight,
-    no_nan,
     unpack_words,
 )
 
@@ -159,7 +159,7 @@ def _ct_int(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
 
     def build(read: Reader) -> QuantizedTensor:
         q = read(name).view(torch.uint8) ^ 0x80  # int8 v -> unsigned v + 128 (two's complement)
-        scales = no_nan(ctx, scale, read(scale).float()).reshape(-1, k // g).expand(n, k // g)
+        scales = finite_scale(ctx, scale, read(scale).float()).reshape(-1, k // g).expand(n, k // g)
         if symmetric:
             zeros = torch.full((n, k // g), 128, dtype=torch.uint8)
         else:
@@ -207,7 +207,7 @@ def _ct_pack(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
 
     def build(read: Reader) -> QuantizedTensor:
         words = read(packed)  # int32 [N, ceil(K*b/32)]
-        scales = no_nan(ctx, prefix + "weight_scale", read(prefix + "weight_scale").float())
+        scales = finite_scale(ctx, prefix + "weight_scale", read(prefix + "weight_scale").float())
         if symmetric:
             zeros = torch.full((n, k // g), offset, dtype=torch.uint8)
         else:  # packed along N: words [ceil(N*b/32), K/g]
@@ -253,8 +253,8 @@ def _ct_fp4(ctx: PlanContext, prefix: str, group: _CtGroup, fmt: str) -> None:
         if fmt == "mxfp4" and (parts["scales"] == 255).any():
             raise ctx.error(scale, "E8M0 scale byte 255 (NaN)")
         if fmt == "nvfp4":
-            no_nan(ctx, scale, parts["scales"].view(torch.float8_e4m3fn).float())
-            gscale = no_nan(ctx, glob, read(glob).float()).reshape(tuple(lead))
+            finite_scale(ctx, scale, parts["scales"].view(torch.float8_e4m3fn).float())
+            gscale = finite_scale(ctx, glob, read(glob).float()).reshape(tuple(lead))
             if (gscale == 0).any():
                 raise ctx.error(glob, "weight_global_scale 0 has no reciprocal")
             parts["global_scale"] = 1.0 / gscale

@@ -16,9 +16,9 @@ from zllm.weights.hf_quant.plan import (
     Reader,
     Stored,
     check_keys,
+    finite_scale,
     group_perm,
     int_weight,
-    no_nan,
     unpack_words,
 )
 
@@ -94,7 +94,7 @@ def _gptq_build(ctx: PlanContext, prefix: str, bits: int, g: int, n: int, k: int
                 raise ctx.error(prefix + "qzeros", "a GPTQ v1 zero point of 255 + 1 does not fit 8 bits; "
                                                    "save the checkpoint as gptq_v2")
             zeros = zeros + 1
-        scales = no_nan(ctx, prefix + "scales", read(prefix + "scales").float().t())  # [N, K/g]
+        scales = finite_scale(ctx, prefix + "scales", read(prefix + "scales").float()).t()  # [N, K/g]
         perm = group_perm(ctx, prefix + "g_idx", read(prefix + "g_idx"), k, g) if has_g_idx else None
         return int_weight(q, scales, zeros, bits, g, perm)
 
@@ -142,7 +142,7 @@ def _awq_build(ctx: PlanContext, prefix: str, g: int, n: int, k: int,
             zeros = unpack_words(read(prefix + "qzeros"), 4)[:, order].t()  # [N, K/g]
         else:
             zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
-        scales = no_nan(ctx, prefix + "scales", read(prefix + "scales").float().t())
+        scales = finite_scale(ctx, prefix + "scales", read(prefix + "scales").float()).t()  # [N, K/g]
         return int_weight(q, scales, zeros, 4, g, None)
 
     return build
