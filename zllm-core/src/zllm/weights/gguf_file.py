@@ -262,6 +262,9 @@ class GGUFCheckpoint(Checkpoint):
         self._lookup(name)
         return self.path
 
+    def file_tensor_name(self, name: str) -> str:
+        return self._lookup(name).name
+
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         t = self._lookup(name)
         return t.shape[::-1]  # GGUF lists ne0 (columns) first

@@ -69,13 +69,14 @@ def load_weights(
     unused = [n for n in names if n not in specs]
     if unused:
         raise TensorError(
-            str(checkpoint.file_of(unused[0])), unused[0], f"unused (not part of the model){_more(unused[1:])}"
+            str(checkpoint.file_of(unused[0])), unused[0], f"unused (not part of the model){_more(unused[1:])}",
+            checkpoint.file_tensor_name(unused[0]),
         )
     for name in names:
         shape, fmt = checkpoint.tensor_shape_format(name)
         file = str(checkpoint.file_of(name))
         loaded_fmt = fmt if dtype == "auto" or fmt not in DTYPE_OF_FORMAT else dtype
-        specs[name].check(name, shape, loaded_fmt, file)
+        specs[name].check(name, shape, loaded_fmt, file, checkpoint.file_tensor_name(name))
         shard = specs[name].shard
         if shard is not None:
             check_block_shard(name, shape, loaded_fmt, shard, file)
