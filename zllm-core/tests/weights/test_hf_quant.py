@@ -151,6 +151,22 @@ def test_unknown_method_format_or_field_names_it_and_lists_what_is_supported(tmp
     assert str(path / "config.json") in str(err.value) and named in str(err.value)
 
 
+@pytest.mark.parametrize("group_size", [None, 0, -1, "32", 2.5])
+def test_group_strategy_without_a_positive_group_size_is_a_config_error(tmp_path, group_size):
+    # It was read as one group per row, and failed later on the scale's shape.
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    if group_size is not None:
+        weights["group_size"] = group_size
+    path = _write(tmp_path, {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32),
+                             "m.weight_shape": torch.tensor([N, K]), "m.weight_scale": torch.ones(N, 1)},
+                  {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                   "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == (f"{path / 'config.json'}: quantization_config: config_groups.g.weights: strategy "
+                              f"'group' needs a group_size that is a positive integer, got {group_size!r}")
+
+
 def _w8a8(tmp_path: Path, drop: str | None = None, symmetric: bool = True, **changes) -> Path:
     """compressed-tensors int-quantized W8A8: int8 weight [N, K], weight_scale [N, 1] per channel."""
     tensors = {"m.weight": torch.tensor(Q, dtype=torch.int8) - 8, "m.weight_scale": torch.tensor(S).reshape(N, 1)}

@@ -65,6 +65,13 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         weights = group.get("weights") or {}
         check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
         fmt = group.get("format") or q.get("format")
+        group_size = weights.get("group_size")
+        if weights.get("strategy") in ("group", "tensor_group") and (
+                isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            # compressed-tensors' QuantizationArgs refuses a missing or non-positive one too;
+            # read as they were, none meant one group per row and -1 a negative group count.
+            raise ctx.config_error(f"config_groups.{gname}.weights: strategy {weights['strategy']!r} needs a "
+                                   f"group_size that is a positive integer, got {group_size!r}")
         if weights and fmt not in CT_FORMATS:
             raise ctx.config_error(f"format {fmt!r} (config_groups.{gname}) is not supported; supported: "
                                    f"{', '.join(CT_FORMATS)}")
