@@ -80,6 +80,15 @@ def test_gguf_tensor_error_gives_the_name_the_file_uses_too(change):
     assert str(e.value).startswith(f"{STORIES_GGUF_F32}: tensor '{name}' (in the file: 'blk.1.attn_k.weight'): ")
 
 
+def test_tensor_missing_from_a_gguf_file_gives_the_name_the_file_would_use():
+    ckpt = open_checkpoint(STORIES_GGUF_F32)
+    specs = specs_of(ckpt) | {"model.layers.1.self_attn.q_proj.bias": TensorSpec((64,))}
+    with pytest.raises(TensorError) as e:
+        load_weights(ckpt, specs)
+    assert e.value.tensor == "model.layers.1.self_attn.q_proj.bias"
+    assert str(e.value).endswith("missing from the checkpoint (which would name it 'blk.1.attn_q.bias')")
+
+
 def test_hf_tensor_error_names_the_tensor_once():
     ckpt = open_checkpoint(STORIES_HF)
     with pytest.raises(TensorError) as e:
