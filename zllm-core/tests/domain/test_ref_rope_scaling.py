@@ -96,3 +96,19 @@ def test_non_positive_or_non_finite_scaling_value_is_named(rope):
     with pytest.raises(ValueError) as e:
         rope_params_from_config({"max_position_embeddings": 256, "rope_parameters": rope})
     assert str(e.value) == f"RoPE type {rope['rope_type']!r}: {bad} {rope[bad]!r} is not a finite number > 0"
+
+
+@pytest.mark.parametrize(("key", "value", "what"), [
+    ("mscale", float("nan"), "a finite number"),
+    ("mscale_all_dim", float("inf"), "a finite number"),
+    ("beta_fast", float("nan"), "a finite number > 0"),
+    ("beta_slow", -1.0, "a finite number > 0"),
+])
+def test_yarn_value_that_is_not_finite_is_named(key, value, what):
+    # A NaN mscale ended the engine loop with a traceback ("router logits are not finite");
+    # a NaN beta_fast raised "cannot convert float NaN to integer".
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+            "mscale_all_dim": 1.0, key: value}
+    with pytest.raises(ValueError) as e:
+        rope_params_from_config({"max_position_embeddings": 256, "rope_parameters": rope})
+    assert str(e.value) == f"RoPE type 'yarn': {key} {value!r} is not {what}"

@@ -95,8 +95,8 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
 
     Raises:
         ValueError: unsupported type or feature (names it and the supported types), a key
-            the type needs is missing, or a factor, frequency bound or YaRN attention factor
-            is not a finite number > 0.
+            the type needs is missing, a factor, frequency bound or YaRN attention factor or
+            beta is not a finite number > 0, or a YaRN mscale is not finite.
     """
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(raw, dict):
@@ -132,7 +132,17 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
         return positive(key)
 
     def opt(key: str) -> float | None:
-        return None if params.get(key) is None else _number(key, params[key])
+        """An optional YaRN mscale: absent, or a finite number."""
+        if params.get(key) is None:
+            return None
+        value = _number(key, params[key])
+        if not math.isfinite(value):
+            raise ValueError(f"RoPE type {rope_type!r}: {key} {params[key]!r} is not a finite number")
+        return value
+
+    def beta(key: str, default: float) -> float:
+        """YaRN's ``beta_fast``/``beta_slow``; absent or 0 is the default, as HF's ``or`` reads it."""
+        return positive(key) if params.get(key) else default
 
     factors = cfg.get("rope_freq_factors")
     common: dict[str, Any] = dict(rope_type=rope_type, theta=theta, max_position_embeddings=max_pos,
@@ -151,7 +161,7 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
     return RopeParams(
         **common, factor=max_pos / original if factor is None else factor,
         attention_factor=attention_factor, mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
-        beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
+        beta_fast=beta("beta_fast", 32.0), beta_slow=beta("beta_slow", 1.0),
         truncate=bool(params.get("truncate", True)),
     )
 
