@@ -167,6 +167,22 @@ def test_group_strategy_without_a_positive_group_size_is_a_config_error(tmp_path
                               f"'group' needs a group_size that is a positive integer, got {group_size!r}")
 
 
+@pytest.mark.parametrize(("targets", "what"), [
+    # re.error escaped as a traceback; a string was read as its letters, each a class name.
+    (["re:(bad"], "'re:(bad' is not a valid regular expression: missing ), unterminated subpattern at position 0"),
+    ([5], "5 is not a string"),
+    ("Linear", "'Linear' is not a list"),
+])
+def test_config_group_target_that_is_not_a_name_or_regular_expression_is_a_config_error(tmp_path, targets, what):
+    path = _write(tmp_path, {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32),
+                             "m.weight_shape": torch.tensor([N, K]), "m.weight_scale": torch.ones(N, 1)},
+                  {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+                      "targets": targets, "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == f"{path / 'config.json'}: quantization_config: config_groups.g.targets: {what}"
+
+
 def _w8a8(tmp_path: Path, drop: str | None = None, symmetric: bool = True, **changes) -> Path:
     """compressed-tensors int-quantized W8A8: int8 weight [N, K], weight_scale [N, 1] per channel."""
     tensors = {"m.weight": torch.tensor(Q, dtype=torch.int8) - 8, "m.weight_scale": torch.tensor(S).reshape(N, 1)}

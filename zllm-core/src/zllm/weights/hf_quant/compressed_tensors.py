@@ -79,7 +79,19 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         if activations:
             check_keys(ctx, f"config_groups.{gname}.input_activations", activations, CT_ARGS_KEYS)
             ctx.note_quantized_activations(_activations_text(activations))
-        groups.append(_CtGroup(tuple(group.get("targets") or ()), weights, fmt))
+        if not isinstance(group.get("targets") or [], list):
+            raise ctx.config_error(f"config_groups.{gname}.targets: {group['targets']!r} is not a list")
+        targets = tuple(group.get("targets") or ())
+        for target in targets:
+            if not isinstance(target, str):
+                raise ctx.config_error(f"config_groups.{gname}.targets: {target!r} is not a string")
+            if target.startswith("re:"):
+                try:
+                    re.compile(target[3:])
+                except re.error as e:
+                    raise ctx.config_error(f"config_groups.{gname}.targets: {target!r} is not a valid regular "
+                                           f"expression: {e}") from None
+        groups.append(_CtGroup(targets, weights, fmt))
     return groups
 
 
