@@ -183,6 +183,24 @@ def test_config_group_target_that_is_not_a_name_or_regular_expression_is_a_confi
     assert str(err.value) == f"{path / 'config.json'}: quantization_config: config_groups.g.targets: {what}"
 
 
+@pytest.mark.parametrize(("qconfig", "what"), [
+    # bool("false") is True: each was read as true.
+    ({"quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": "yes"}, "desc_act 'yes'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": K, "sym": "no"}, "sym 'no'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": K, "version": "gemm", "zero_point": "false"},
+     "zero_point 'false'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel",
+                                           "symmetric": "false"}}}},
+     "config_groups.g.weights.symmetric 'false'"),
+])
+def test_flag_that_is_not_true_or_false_is_a_config_error(tmp_path, qconfig, what):
+    path = _write(tmp_path, {"x.weight": torch.zeros(2, 2)}, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == f"{path / 'config.json'}: quantization_config: {what} is not true or false"
+
+
 def _w8a8(tmp_path: Path, drop: str | None = None, symmetric: bool = True, **changes) -> Path:
     """compressed-tensors int-quantized W8A8: int8 weight [N, K], weight_scale [N, 1] per channel."""
     tensors = {"m.weight": torch.tensor(Q, dtype=torch.int8) - 8, "m.weight_scale": torch.tensor(S).reshape(N, 1)}

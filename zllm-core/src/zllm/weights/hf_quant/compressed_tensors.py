@@ -29,6 +29,7 @@ from zllm.weights.hf_quant.plan import (
     ceil_div,
     check_keys,
     finite_scale,
+    flag,
     group_perm,
     int_weight,
     unpack_words,
@@ -64,6 +65,7 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         check_keys(ctx, f"config_groups.{gname}", group, _CT_GROUP_KEYS)
         weights = group.get("weights") or {}
         check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
+        flag(ctx, f"config_groups.{gname}.weights.", weights, "symmetric", True)
         fmt = group.get("format") or q.get("format")
         group_size = weights.get("group_size")
         if weights.get("strategy") in ("group", "tensor_group") and (

@@ -167,6 +167,17 @@ def check_keys(ctx: PlanContext, where: str, given: Mapping[str, Any], known: It
                                f"in {where}; known: {', '.join(sorted(known))}")
 
 
+def flag(ctx: PlanContext, where: str, given: Mapping[str, Any], key: str, default: bool) -> bool:
+    """``given[key]`` (the config's ``{where}{key}``), ``default`` when absent or null; a config
+    error unless it is true or false (``bool("false")`` is True)."""
+    value = given.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ctx.config_error(f"{where}{key} {value!r} is not true or false")
+    return value
+
+
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive integers."""
     return -(-a // b)
