@@ -78,3 +78,22 @@ def test_a_backend_without_moe_is_refused_naming_the_capability_before_weights_a
     assert run.returncode != 0
     assert "moe[f32]" in run.stderr and "metal" in run.stderr and "qwen2_moe" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_nan_in_the_router_weight_ends_zllm_run_with_one_error_line_and_exit_3(tmp_path):
+    # Finding a NaN at load would read every mapped weight; the router sees it on the first
+    # forward, the engine loop ends, and the command says so in one line (it printed a traceback).
+    from safetensors.torch import load_file, save_file
+
+    _, path = save_moe(tmp_path, CASE)
+    shard = next(path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("mlp.gate.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    run = subprocess.run([*ZLLM, "run", "--config", str(write_config(tmp_path, path)), "--max-new-tokens", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr
+    assert "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "router logits are not finite" in errors[0], run.stderr

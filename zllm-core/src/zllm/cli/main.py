@@ -1,5 +1,6 @@
-"""The ``zllm`` command line. User errors print one line on stderr and exit 2;
-``--debug`` shows the traceback instead."""
+"""The ``zllm`` command line. User errors print one line on stderr and exit 2; an engine that
+failed while running (its loop ended: a non-finite router input from NaN weights, a dead rank)
+prints one line and exits 3; ``--debug`` shows the traceback too."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from zllm.cli.conformance import add_parser as _add_conformance
-from zllm.spec.errors import ZllmError
+from zllm.spec.errors import EngineFailedError, ZllmError
 
 EXIT_USER_ERROR = 2
+EXIT_ENGINE_FAILED = 3
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:
@@ -116,11 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = _format_warning
     try:
         return args.func(args)
-    except ZllmError as exc:
+    except (ZllmError, EngineFailedError) as exc:
         if args.debug:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return EXIT_USER_ERROR if isinstance(exc, ZllmError) else EXIT_ENGINE_FAILED
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -233,7 +233,7 @@ def select_experts(
     # A finite sum means finite logits (one reduction); an infinite one may be an overflow of
     # finite logits, which the elementwise check tells apart.
     assert math.isfinite(router_logits.sum()) or bool(torch.isfinite(router_logits).all()), (
-        "router logits are not finite"
+        "router logits are not finite (a NaN or infinite weight in the checkpoint, or an overflow before the router)"
     )
     assert (e_score_correction_bias is not None) == (cfg.topk_method == "noaux_tc"), cfg.topk_method
     if cfg.scoring_func == "softmax":
