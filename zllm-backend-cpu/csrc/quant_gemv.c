@@ -306,6 +306,177 @@ ROWS(int8, L_INT8)
 ROWS(mxfp4, L_MXFP4)
 ROWS(nvfp4, L_NVFP4)
 
+/* ---- nibble rows in 128-column chunks against x rearranged once per call (file comment) ---- */
+
+/* Whether a nibble layout's row takes dot_lanes / dot_lanes_512: K a multiple of 128 and scale
+ * groups of 16, 32, 64 or a multiple of 128 columns, so that each lane's 8 columns lie in one
+ * group. */
+INLINE int lanes_fit(const int layout, int64_t k, int64_t g) {
+    if (k % 128 || g <= 0) return 0;
+    return layout == L_MXFP4 || layout == L_NVFP4 || (layout == L_INT4 && (g == 16 || g == 32 || g == 64 || g % 128 == 0));
+}
+
+/* Whether the lane kernels take x's sums per 8 columns: INT4, whose zero points they apply as
+ * z times the sum (AVX-512: only groups under 128 columns; larger ones fold z into the table). */
+INLINE int lanes_sums(const int layout, int64_t g) {
+    return layout == L_INT4 && (g % 128 || native_isa_level < ISA_AVX512);
+}
+
+/* x [T, K] (row stride xs, K a multiple of 128) -> xd [T, xds] in the lane order: per 128
+ * columns c, xd[c + 16 m + i] = x[c + 8 i + m] (lane i's column m); with sums, then
+ * xd[K + c / 8 + i] = x[c + 8 i] + x[c + 8 i + 1] + ... + x[c + 8 i + 7], added in that order. */
+static void lanes_x(const float *x, int64_t xs, int64_t t, int64_t k, int sums, float *xd, int64_t xds) {
+    for (int64_t j = 0; j < t; j++)
+        for (int64_t c = 0; c < k; c += 128)
+            for (int i = 0; i < 16; i++) {
+                const float *xi = x + j * xs + c + 8 * i;
+                float s = xi[0];
+                for (int m = 0; m < 8; m++) {
+                    xd[j * xds + c + 16 * m + i] = xi[m];
+                    if (m) s += xi[m];
+                }
+                if (sums) xd[j * xds + k + c / 8 + i] = s;
+            }
+}
+
+/* Lane i's nibble m (AVX2: lanes i = 8h .. 8h + 7 of a chunk from its h-th 32 bytes) as an
+ * exact f32: INT4 q (0 .. 15); E2M1 twice its value, from tl / th, the bytes' low / high
+ * nibbles through the 16-entry int8 table (cols16's), byte m / 2 of the lane sign-extended. */
+INLINE __m256 nibble8(__m256i v, __m256i tl, __m256i th, int m, const int layout) {
+    if (layout == L_INT4) {
+        const __m256i q = m ? _mm256_srli_epi32(v, 4 * m) : v;
+        return _mm256_cvtepi32_ps(m == 7 ? q : _mm256_and_si256(q, _mm256_set1_epi32(15)));
+    }
+    const __m256i b = m % 2 ? th : tl;
+    const int j = m / 2;
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(j == 3 ? b : _mm256_slli_epi32(b, 24 - 8 * j), 24));
+}
+
+/* The scales s[h] of the 8 lanes of half h of the chunk at c for nibble8's values (lane i of
+ * the chunk: columns c + 8i .. c + 8i + 7), and INT4's zero points z[h] where zr is not NULL. gi:
+ * the chunk's first INT4 group; lg: log2(g / 8) for INT4 groups under 128 columns, 4 for one
+ * group a chunk. MXFP4: E8M0 / 2 (exact); NVFP4: e4m3 * global / 2 (lane_scales' product, the
+ * same real number halved, rounded once; NaN bytes NaN); INT4: the f32 scales. */
+INLINE void lane_scales8(const qweight *w, const float *sf, const uint8_t *s8, const uint8_t *zr, int64_t c,
+                         int64_t gi, int lg, const int layout, __m256 s[2], __m256 z[2]) {
+    if (layout == L_MXFP4) {
+        const uint8_t *b = s8 + c / 32; /* lanes 0-3: b[0], 4-7: b[1], 8-11: b[2], 12-15: b[3] */
+        for (int h = 0; h < 2; h++)
+            s[h] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(E8M0[b[2 * h]] * 0.5f)),
+                                        _mm_set1_ps(E8M0[b[2 * h + 1]] * 0.5f), 1);
+        return;
+    }
+    if (layout == L_NVFP4) { /* lane i: byte i / 2; fp8x16's f16 decode, NaN bytes made f16 NaN */
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(s8 + c / 16));
+        const __m256i v = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, b));
+        const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F));
+        const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBF80)),
+                                          _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+        const __m256 gl = _mm256_set1_ps(w->global * 128.0f); /* (e4m3 2^-8) (global 2^7): e4m3 * global / 2 */
+        s[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), gl);
+        s[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), gl);
+        return;
+    }
+    if (lg > 3) { /* one group */
+        s[0] = s[1] = _mm256_set1_ps(sf[gi]);
+        if (zr) z[0] = z[1] = _mm256_set1_ps((float)zr[gi]);
+        return;
+    }
+    /* half h: groups gi + (8h >> lg) .. , lane i of it in group (i >> lg) */
+    const __m256i idx = _mm256_srli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lg);
+    for (int h = 0; h < 2; h++) {
+        const int64_t g0 = gi + (8 * h >> lg);
+        __m128 f;
+        __m128i zb = _mm_setzero_si128();
+        if (lg == 1) {
+            f = _mm_loadu_ps(sf + g0);
+            if (zr) {
+                uint32_t u;
+                memcpy(&u, zr + g0, 4);
+                zb = _mm_cvtsi32_si128((int)u);
+            }
+        } else if (lg == 2) {
+            f = _mm_castpd_ps(_mm_load_sd((const double *)(sf + g0)));
+            if (zr) {
+                uint16_t u;
+                memcpy(&u, zr + g0, 2);
+                zb = _mm_cvtsi32_si128(u);
+            }
+        } else {
+            f = _mm_set1_ps(sf[g0]);
+            if (zr) zb = _mm_cvtsi32_si128(zr[g0]);
+        }
+        s[h] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), idx);
+        if (zr) z[h] = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(zb), idx));
+    }
+}
+
+/* A nibble row (lanes_fit) times TT tokens of lane-ordered x (lanes_x) -> y[t], AVX2: each 128
+ * columns as two 32-byte halves of 8 lanes; per half nibble m of every lane (nibble8) times x
+ * into one per-half sum (m = 0 .. 7 in order), that sum (INT4: minus the lane's zero point times
+ * its x sum) times the lane's scale into one 8-lane total; then the horizontal sum. */
+INLINE void dot_lanes(const qweight *w, int64_t r, const float *x, int64_t xs, float *y, const int layout,
+                      const int TT) {
+    ROW_PARTS(w, r, layout);
+    const int lg = layout == L_MXFP4 ? 2 : layout == L_NVFP4 ? 1 : g == 16 ? 1 : g == 32 ? 2 : g == 64 ? 3 : 4;
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4,
+                                           6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m256 tot[TOKENS_MAX];
+    for (int t = 0; t < TT; t++) tot[t] = _mm256_setzero_ps();
+    int64_t gi = 0, gend = g; /* INT4 groups of 128 columns or more: the chunk's group */
+    for (int64_t c = 0; c < k; c += 128) {
+        if (lg > 3 && c == gend) gi++, gend += g;
+        PREFETCH_ROW(row + c / 2);
+        __m256 s[2], z[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        lane_scales8(w, sf, s8, layout == L_INT4 ? zr : 0, c, lg > 3 ? gi : c >> 3 >> lg, lg, layout, s, z);
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + c / 2 + 32 * h));
+            __m256i tl = v, th = v;
+            if (layout != L_INT4) {
+                const __m256i mask = _mm256_set1_epi8(0x0F);
+                tl = _mm256_shuffle_epi8(table, _mm256_and_si256(v, mask));
+                th = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+            }
+            __m256 p[TOKENS_MAX];
+            for (int m = 0; m < 8; m++) {
+                const __m256 q = nibble8(v, tl, th, m, layout);
+                for (int t = 0; t < TT; t++) {
+                    const __m256 xv = _mm256_loadu_ps(x + t * xs + c + 16 * m + 8 * h);
+                    p[t] = m ? _mm256_fmadd_ps(q, xv, p[t]) : _mm256_mul_ps(q, xv);
+                }
+            }
+            for (int t = 0; t < TT; t++) {
+                __m256 sum = p[t];
+                if (layout == L_INT4 && zr)
+                    sum = _mm256_fnmadd_ps(z[h], _mm256_loadu_ps(x + t * xs + k + c / 8 + 8 * h), sum);
+                tot[t] = _mm256_fmadd_ps(sum, s[h], tot[t]);
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) y[t] = hsum(tot[t]);
+}
+
+#define ROWS_LANES(NAME, LAYOUT, DOT, ATTR)                                                    \
+ATTR static void NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs,     \
+                      const float *bias, float *y, int64_t t) {                                \
+    for (int64_t r = r0; r < r1; r++) {                                                         \
+        float v[TOKENS_MAX];                                                                    \
+        int64_t j = 0;                                                                          \
+        for (; j + TOKENS_MAX <= t; j += TOKENS_MAX) {                                          \
+            DOT(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                                   \
+            for (int i = 0; i < TOKENS_MAX; i++) y[(j + i) * w->n + r] = bias ? v[i] + bias[r] : v[i]; \
+        }                                                                                       \
+        if (j < t) {                                                                            \
+            DOT(w, r, x + j * xs, xs, v, LAYOUT, 1);                                            \
+            y[j * w->n + r] = bias ? v[0] + bias[r] : v[0];                                     \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+ROWS_LANES(lanes_int4, L_INT4, dot_lanes, )
+ROWS_LANES(lanes_mxfp4, L_MXFP4, dot_lanes, )
+ROWS_LANES(lanes_nvfp4, L_NVFP4, dot_lanes, )
+
 /* ---- AVX-512 (isa.h): 16 columns in one 16-lane vector ---- */
 
 /* The 16 nibbles of the 8 bytes at p in column order as the low 4 bits of 16 int32 lanes (the
@@ -457,38 +628,9 @@ INLINE AVX512 void dot_row_512(const qweight *w, int64_t r, const float *x, int6
 
 /* ---- AVX-512, nibble rows in 128-column chunks against x rearranged once per call ---- */
 
-/* Whether a nibble layout's row takes dot_lanes_512 (file comment): K a multiple of 128 and
- * scale groups of 16, 32, 64 or a multiple of 128 columns, so that each lane's 8 columns lie
- * in one group. */
-INLINE int lanes_fit(const int layout, int64_t k, int64_t g) {
-    if (k % 128 || g <= 0) return 0;
-    return layout == L_MXFP4 || layout == L_NVFP4 || (layout == L_INT4 && (g == 16 || g == 32 || g == 64 || g % 128 == 0));
-}
-
-/* Whether dot_lanes_512 takes x's sums per 8 columns: INT4 in groups under 128 columns, whose
- * zero points differ lane by lane. */
-INLINE int lanes_sums(const int layout, int64_t g) { return layout == L_INT4 && g % 128; }
-
-/* x [T, K] (row stride xs, K a multiple of 128) -> xd [T, xds] in the lane order: per 128
- * columns c, xd[c + 16 m + i] = x[c + 8 i + m] (lane i's column m); with sums, then
- * xd[K + c / 8 + i] = x[c + 8 i] + x[c + 8 i + 1] + ... + x[c + 8 i + 7], added in that order. */
-AVX512 static void lanes_x(const float *x, int64_t xs, int64_t t, int64_t k, int sums, float *xd, int64_t xds) {
-    const __m512i lane = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
-    for (int64_t j = 0; j < t; j++)
-        for (int64_t c = 0; c < k; c += 128) {
-            __m512 s = _mm512_setzero_ps();
-            for (int m = 0; m < 8; m++) {
-                const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(m)), x + j * xs + c, 4);
-                _mm512_storeu_ps(xd + j * xds + c + 16 * m, v);
-                s = m ? _mm512_add_ps(s, v) : v;
-            }
-            if (sums) _mm512_storeu_ps(xd + j * xds + k + c / 8, s);
-        }
-}
-
 /* The 16 >> lg f32 (the chunk's INT4 scales; lg = log2(g / 8), 1 .. 3) at p in the low lanes, by a
- * load of exactly their size (a masked load measured 1.8x slower a row); the other lanes are not
- * read by lane_group. */
+ * load of exactly their size (never past the row's scales); the other lanes are not read by
+ * lane_group. */
 INLINE AVX512 __m512 chunk_f32(const float *p, int lg) {
     if (lg == 1) return _mm512_castps256_ps512(_mm256_loadu_ps(p));
     if (lg == 2) return _mm512_castps128_ps512(_mm_loadu_ps(p));
@@ -596,26 +738,9 @@ INLINE AVX512 void dot_lanes_512(const qweight *w, int64_t r, const float *x, in
     for (int t = 0; t < TT; t++) y[t] = hsum512(a[t][0]);
 }
 
-#define ROWS_LANES(NAME, LAYOUT)                                                               \
-AVX512 static void lanes_##NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, \
-                                const float *bias, float *y, int64_t t) {                      \
-    for (int64_t r = r0; r < r1; r++) {                                                         \
-        float v[TOKENS_MAX];                                                                    \
-        int64_t j = 0;                                                                          \
-        for (; j + TOKENS_MAX <= t; j += TOKENS_MAX) {                                          \
-            dot_lanes_512(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                         \
-            for (int i = 0; i < TOKENS_MAX; i++) y[(j + i) * w->n + r] = bias ? v[i] + bias[r] : v[i]; \
-        }                                                                                       \
-        if (j < t) {                                                                            \
-            dot_lanes_512(w, r, x + j * xs, xs, v, LAYOUT, 1);                                  \
-            y[j * w->n + r] = bias ? v[0] + bias[r] : v[0];                                     \
-        }                                                                                       \
-    }                                                                                           \
-}
-
-ROWS_LANES(int4, L_INT4)
-ROWS_LANES(mxfp4, L_MXFP4)
-ROWS_LANES(nvfp4, L_NVFP4)
+ROWS_LANES(lanes512_int4, L_INT4, dot_lanes_512, AVX512)
+ROWS_LANES(lanes512_mxfp4, L_MXFP4, dot_lanes_512, AVX512)
+ROWS_LANES(lanes512_nvfp4, L_NVFP4, dot_lanes_512, AVX512)
 
 #define ROWS512(NAME, LAYOUT)                                                                  \
 AVX512 static void rows512_##NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, \
@@ -654,6 +779,7 @@ typedef void (*decode_fn)(const qweight *w, int64_t r, float *out);
 
 /* The row kernel of the ISA level in use (isa.h). */
 #define ROWS_OF(NAME) (native_isa_level >= ISA_AVX512 ? rows512_##NAME : rows_##NAME)
+#define LANES_OF(NAME) (native_isa_level >= ISA_AVX512 ? lanes512_##NAME : lanes_##NAME)
 
 /* y = x W^T (+ bias): rows in work items handed out dynamically (file comment). */
 static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, const float *bias, float *y,
@@ -673,11 +799,11 @@ static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, 
  * malloc. */
 #define LANES_STACK_BYTES (32 << 10)
 
-/* gemv for a nibble layout: at the AVX-512 level, where lanes_fit, x rearranged once (lanes_x)
- * and the rows of lanes (y is NaN if that x cannot be allocated); else the rows of rows. */
+/* gemv for a nibble layout: where lanes_fit, x rearranged once (lanes_x) and the rows of lanes
+ * (y is NaN if that x cannot be allocated); else the rows of rows. */
 static void gemv_nibbles(const qweight *w, const int layout, rows_fn rows, rows_fn lanes, const float *x, int64_t xs,
                          const float *bias, float *y, int64_t t, int threads) {
-    if (native_isa_level < ISA_AVX512 || !lanes_fit(layout, w->k, w->g) || t <= 0 || w->n <= 0) {
+    if (!lanes_fit(layout, w->k, w->g) || t <= 0 || w->n <= 0) {
         gemv(w, rows, x, xs, bias, y, t, threads);
         return;
     }
@@ -733,7 +859,7 @@ void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *z
 }
 
 #define GEMV_int4(w, x, xs, bias, y, t, threads) \
-    gemv_nibbles(w, L_INT4, ROWS_OF(int4), lanes_int4, x, xs, bias, y, t, threads)
+    gemv_nibbles(w, L_INT4, ROWS_OF(int4), LANES_OF(int4), x, xs, bias, y, t, threads)
 #define GEMV_int8(w, x, xs, bias, y, t, threads) gemv(w, ROWS_OF(int8), x, xs, bias, y, t, threads)
 
 INT_ENTRIES(int4, k / 2)
@@ -742,7 +868,7 @@ INT_ENTRIES(int8, k)
 void zllm_qgemv_mxfp4(const uint8_t *q, const uint8_t *scales, const float *x, int64_t xs, const float *bias,
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, 0.0f, n, k, 32, 1, k / 2, (k + 31) / 32};
-    gemv_nibbles(&w, L_MXFP4, ROWS_OF(mxfp4), lanes_mxfp4, x, xs, bias, y, t, threads);
+    gemv_nibbles(&w, L_MXFP4, ROWS_OF(mxfp4), LANES_OF(mxfp4), x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int64_t k, int64_t r0, int64_t r1,
                         float *out, int threads) {
@@ -753,7 +879,7 @@ void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int6
 void zllm_qgemv_nvfp4(const uint8_t *q, const uint8_t *scales, float global, const float *x, int64_t xs,
                       const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, global, n, k, 16, 1, k / 2, (k + 15) / 16};
-    gemv_nibbles(&w, L_NVFP4, ROWS_OF(nvfp4), lanes_nvfp4, x, xs, bias, y, t, threads);
+    gemv_nibbles(&w, L_NVFP4, ROWS_OF(nvfp4), LANES_OF(nvfp4), x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_nvfp4(const uint8_t *q, const uint8_t *scales, float global, int64_t n, int64_t k, int64_t r0,
                         int64_t r1, float *out, int threads) {
