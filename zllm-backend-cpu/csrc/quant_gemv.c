@@ -32,12 +32,34 @@
  * dependent FMA on the row total (NVFP4 at 3.7 G weights/s on one core, 9.5 this way).
  * Against the f32 reference (dequantize, then x @ W^T) only rounding differs; ~1e-6 relative.
  *
- * Order: every output element is reduced in an order that depends only on the layout, K and
- * the ISA level in use (never on T, N, the other rows or the thread split): an output row is
+ * Nibble rows in 128-column chunks (INT4, MXFP4, NVFP4 where K is a multiple of 128 and the
+ * groups are 16, 32, 64 or a multiple of 128 columns; other shapes take the steps above and
+ * below): x is rearranged once per call (lanes_x: x[c + 8i + m] at c + 16m + i, per 128
+ * columns c; INT4 also each lane's sum of its 8 columns). A chunk's 64 bytes read as 16 int32
+ * lanes then hold 8 consecutive columns a lane, and nibble m of every lane is the lanes shifted
+ * right by 4m, against 16 consecutive floats of the rearranged x: no unpacking of the nibbles
+ * and no shuffle of x (the even / odd kernels below spent a widening and two vpermt2ps per 32
+ * columns on it). AVX-512: one vpermps of a 16-entry f32 table per 16 weights. AVX2: two
+ * halves of 8 lanes; INT4 q by a mask and a convert, E2M1 by cols16's byte shuffle of the
+ * low / high nibbles, byte m / 2 sign-extended and converted. Every lane's 8 columns lie in
+ * one scale group: per chunk the lanes' products (m = 0 .. 7) go into per-lane sums, which
+ * times the lane's scale go into one row total (INT4: the sum minus the zero point times the
+ * lane's x sum first, s (sum q x - z sum x): the zero point once a lane, the rounding relative
+ * to sum |q x| rather than sum |(q - z) x|). AVX-512 INT4 in groups of a multiple of 128: the
+ * table is the group's (q - z) s (the reference's w) and the products go straight into four
+ * accumulators (nibble m into m % 4). Measured (bench/quant_gemv.py --threads 1 --isa
+ * avx2,avx512, two runs, ratio to Q4_0 at the same level): AVX-512 INT4 g128 0.73 / 0.89x
+ * before, 1.07 / 1.03x after; MXFP4 0.67 / 0.79x -> 1.19 / 1.23x; NVFP4 0.62 / 0.71x -> 1.00 /
+ * 1.06x; AVX2 INT4 0.45 / 0.44x -> 0.69 / 0.70x, MXFP4 0.42 / 0.44x -> 0.64 / 0.60x, NVFP4
+ * 0.40 / 0.40x -> 0.55 / 0.55x.
+ *
+ * Order: every output element is reduced in an order that depends only on the layout, K, the
+ * group size and the ISA level in use (never on T, N, the other rows or the thread split; x's
+ * rearrangement depends only on the token's own row): an output row is
  * bit-identical whatever else is in the call.
  *
  * AVX-512 (isa.h; chosen when the library loads where the CPU has it, ZLLM_NATIVE_ISA=avx2
- * forces the AVX2 kernels): the GEMV rows decode each 16 columns into one 16-lane vector (the
+ * forces the AVX2 kernels), rows not in 128-column chunks: the GEMV rows decode each 16 columns into one 16-lane vector (the
  * same exact values; nibbles by one vpermps from a 16-entry f32 table of q - z or E2M1; the
  * group's scale from broadcast loads, no scalar step) and accumulate 16 lanes wide. MXFP4 and
  * INT4 in groups of a multiple of 32: per group the table times the scale (the reference's w
