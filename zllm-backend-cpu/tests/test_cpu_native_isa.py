@@ -154,6 +154,25 @@ def test_a_nan_nvfp4_scale_makes_its_row_nan_in_the_chunk_kernels_at_each_level(
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", ["int4_g", "mxfp4", "nvfp4"])
+def test_the_chunk_kernels_give_the_same_bits_on_one_thread_and_two_at_each_level(level, fmt):
+    g = torch.Generator().manual_seed(11)
+    w = random_weight(fmt, 2100, 512, g, (1, 32))  # 2100 x 256 bytes: past the one-thread limit, many items
+    x = torch.randn(3, 512, generator=g)
+    saved = torch.get_num_threads()
+    with at_level(level):
+        try:
+            torch.set_num_threads(1)
+            one = quant_gemv.quant_gemv(x, w, None)
+            torch.set_num_threads(2)
+            two = quant_gemv.quant_gemv(x, w, None)
+        finally:
+            torch.set_num_threads(saved)
+    assert one.abs().sum() > 0 and torch.equal(one, two)
+    assert_close_to_reference(two, x, w, None)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("case", ["fp8_channel", "fp8_ragged", "int4_g", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("k_units", [5, 8])  # K 160: 16-column steps; K 256: 128-column chunks (nibbles)
 def test_hf_layouts_give_each_row_the_same_bits_alone_or_in_a_batch_at_each_level(level, case, k_units):
