@@ -50,7 +50,8 @@
  * Order: one weight row at a time, for every token, so each thread streams one contiguous
  * range of the weight front to back (what the hardware prefetchers follow best; interleaving
  * rows makes many short streams, measured 10-40% slower from DRAM). Up to TOKENS_MAX tokens
- * share one conversion of the weights; the row stays in L1/L2 for the next tokens. The
+ * (block formats: QUANT_TOKENS_MAX) share one conversion of the weights; the row stays in
+ * L1/L2 for the next tokens. The
  * quantized x (T x K int16 + T x K / 32 scales) is written once per call before the rows,
  * split over the threads, on the stack when small and from malloc otherwise.
  *
@@ -72,6 +73,10 @@
 #include <string.h>
 
 #define TOKENS_MAX 2              /* tokens sharing one conversion of a weight row */
+/* Block formats: tokens sharing one decode of a weight block; their 8 accumulators, the weights
+ * and the temporaries fit the 16 AVX2 vector registers (the dense formats' 4 accumulators a
+ * token would not). A MoE decode step of 16 tokens gives each selected expert 2-4 (moe.c). */
+#define QUANT_TOKENS_MAX 4
 #define CHUNK_BYTES (64 << 10)    /* weight bytes per work item of the thread split */
 #define PREFETCH_BYTES 512        /* dense formats */
 #define QUANT_PREFETCH_BYTES 2048 /* block formats */
@@ -215,7 +220,7 @@ INLINE float block_m(const uint8_t *b) { return _cvtsh_ss((uint16_t)(b[2] | b[3]
 #define QUANT_DOT(NAME, BLOCK_BYTES, HAS_MIN)                                                  \
 INLINE void dot_##NAME(const uint8_t *w, const int16_t *xq, const float *xs, int64_t k,         \
                        const float *bias, float *y, int64_t ldy, const int TT) {                \
-    __m256 a[TOKENS_MAX][2];                                                                    \
+    __m256 a[QUANT_TOKENS_MAX][2];                                                              \
     for (int t = 0; t < TT; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();                       \
     const int64_t nb = k / 32;                                                                  \
     for (int64_t b = 0; b < nb; b += 2)                                                         \
@@ -251,7 +256,8 @@ QUANT_DOT(q4_1, 20, 1)
 QUANT_DOT(q5_0, 22, 0)
 QUANT_DOT(q5_1, 24, 1)
 
-/* ---- rows [r0, r1) for all T tokens: pairs of tokens, then a last single one ---- */
+/* ---- rows [r0, r1) for all T tokens: dense formats pairs of tokens, then a last single one;
+ * block formats groups of QUANT_TOKENS_MAX, then the last 1-3 together ---- */
 
 
 #define DENSE_ROWS(NAME, WT)                                                                    \
@@ -273,9 +279,15 @@ static void rows_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {           
         const uint8_t *wr = (const uint8_t *)a->w + r * a->ws;                                  \
         const float *br = a->bias ? a->bias + r : 0;                                            \
         int64_t t = 0;                                                                          \
-        for (; t + 2 <= a->t; t += 2)                                                           \
-            dot_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 2); \
-        if (t < a->t) dot_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 1); \
+        for (; t + 4 <= a->t; t += 4)                                                           \
+            dot_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 4); \
+        const int64_t left = a->t - t;                                                          \
+        const int16_t *xq = a->xq + t * k;                                                      \
+        const float *xs = a->xsc + t * (k / 32);                                                \
+        float *y = a->y + t * n + r;                                                            \
+        if (left == 1) dot_##NAME(wr, xq, xs, k, br, y, n, 1);                                  \
+        else if (left == 2) dot_##NAME(wr, xq, xs, k, br, y, n, 2);                             \
+        else if (left == 3) dot_##NAME(wr, xq, xs, k, br, y, n, 3);                             \
     }                                                                                           \
 }
 

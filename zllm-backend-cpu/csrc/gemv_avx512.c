@@ -28,7 +28,10 @@
 
 #include <string.h>
 
-#define TOKENS_MAX 2              /* as gemv.c */
+/* Tokens sharing one decode of a weight block (gemv.c: 2). Four keep their 8 accumulators, the
+ * weights and the scales within the 32 vector registers that AVX-512 VL gives 256-bit code;
+ * a MoE decode step of 16 tokens gives each selected expert 2-4 of them (moe.c). */
+#define TOKENS_MAX 4
 #define QUANT_PREFETCH_BYTES 2048 /* as gemv.c */
 
 #define PREFETCH(p, ahead, bytes)                                                              \
@@ -120,7 +123,7 @@ INLINE AVX512 void dot512_##NAME(const uint8_t *w, const int16_t *xq, const floa
     }                                                                                           \
 }
 
-/* Rows [r0, r1) for all T tokens: pairs of tokens, then a last single one (gemv.c). */
+/* Rows [r0, r1) for all T tokens: groups of TOKENS_MAX, then the last 1-3 together. */
 #define QUANT_ROWS512(NAME, BLOCK_BYTES, HAS_MIN)                                              \
 QUANT_DOT512(NAME, BLOCK_BYTES, HAS_MIN)                                                       \
 AVX512 static void rows512_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {                 \
@@ -129,9 +132,15 @@ AVX512 static void rows512_##NAME(const gemv_args *a, int64_t r0, int64_t r1) { 
         const uint8_t *wr = (const uint8_t *)a->w + r * a->ws;                                  \
         const float *br = a->bias ? a->bias + r : 0;                                            \
         int64_t t = 0;                                                                          \
-        for (; t + 2 <= a->t; t += 2)                                                           \
-            dot512_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 2); \
-        if (t < a->t) dot512_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 1); \
+        for (; t + 4 <= a->t; t += 4)                                                           \
+            dot512_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 4); \
+        const int64_t left = a->t - t;                                                          \
+        const int16_t *xq = a->xq + t * k;                                                      \
+        const float *xs = a->xsc + t * (k / 32);                                                \
+        float *y = a->y + t * n + r;                                                            \
+        if (left == 1) dot512_##NAME(wr, xq, xs, k, br, y, n, 1);                               \
+        else if (left == 2) dot512_##NAME(wr, xq, xs, k, br, y, n, 2);                          \
+        else if (left == 3) dot512_##NAME(wr, xq, xs, k, br, y, n, 3);                          \
     }                                                                                           \
 }
 

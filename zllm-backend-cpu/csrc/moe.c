@@ -22,7 +22,8 @@
  *      order within an expert), so expert e's pairs are one contiguous run; x gathered per pair
  *      in that order (and quantized per row of 32 when a gate / up matrix is a block format);
  *   B. per (expert, tile of gate / up rows), on the team: gate and up rows for the expert's
- *      pairs (gemv.h's row kernels, each weight row read once for all of them), then
+ *      pairs (gemv.h's row kernels, each weight row read once for all of them; GATE_UP_ROWS
+ *      gate rows, then as many up rows, so both streams stay prefetched), then
  *      h = silu(g) * u on the tile: g / (1 + e^-g) * u with common.h's exp8 in every lane (a
  *      padded tail too), so an element's value does not depend on where a tile boundary falls;
  *   C. h quantized per pair (block-format down matrices), by the first D item of the expert;
@@ -44,10 +45,15 @@
  * region per thread; a thread takes its own region front to back (one stream through the
  * weights), then helps with the others' (gemv.c's split), so a descheduled thread on a busy
  * machine delays one item, not its share. The only waits are a D item's for its expert's B
- * items and the team's end, both yielding the CPU (sched_yield) rather than spinning: on a
- * machine running more threads than cores, a spinning team mate burns the time slice the
- * descheduled one needs (measured: 4 barriers in libgomp cost 4-5x the one-thread CPU time of
- * a 16-token Qwen3-MoE layer with 2 threads at load 9 on 2 cores; this layout 2x).
+ * items and the team's end (not libgomp's barriers: 4 of them cost 4-5x the one-thread CPU
+ * time of a 16-token Qwen3-MoE layer with 2 threads at load 9 on 2 cores; this layout 2x).
+ * A wait spins on `pause` for SPIN_PAUSES (~60 us here: a running team mate finishes an item
+ * of 64 KB in a few us), then yields the CPU (sched_yield) each round, for a team mate that the
+ * OS descheduled. Yielding at once handed the core to another process for its time slice at
+ * every wait: at T = 1 with 2 threads at load 5-6 on 2 cores the call's best of 21 rounds was
+ * 3.8 ms against 0.85 ms for spinning first (the native GEMV of the same bytes: 0.83 ms).
+ *
+ * Scratch: one block per call from the calling thread's arena (kept up to ARENA_KEEP_BYTES).
  *
  * Checks: an expert id outside [0, E), or scratch that cannot be allocated, makes the whole
  * output NaN instead of a read outside the weights.
@@ -62,6 +68,18 @@
 
 #define ITEM_BYTES (64 << 10)          /* weight bytes per work item */
 #define PARALLEL_MIN_BYTES (256 << 10) /* selected weight bytes a call needs before it uses threads */
+#define ARENA_KEEP_BYTES (4 << 20)     /* scratch kept between calls, per calling thread */
+#define GATE_UP_ROWS 4                 /* gate rows, then as many up rows, in step B */
+
+/* A wait's pause instructions before it yields (~28 ns each on the benchmark machine's EPYC). */
+#define SPIN_PAUSES 2000
+
+/* Waits until cond holds: spinning first, then yielding (file comment, Threads). */
+#define WAIT_UNTIL(cond)                                                                       \
+    for (int spins_ = 0; !(cond); spins_++) {                                                  \
+        if (spins_ < SPIN_PAUSES) _mm_pause();                                                 \
+        else sched_yield();                                                                    \
+    }
 
 enum { GATE, UP, DOWN };
 
@@ -116,12 +134,21 @@ static void item_gate_up(const moe_ctx *c, int64_t item) {
     const job *jb = c->jobs + c->item_job[item];
     const int64_t r0 = c->item_row[item], r1 = r0 + c->rows_b_max < jb->width ? r0 + c->rows_b_max : jb->width;
     const int64_t np = jb->p1 - jb->p0, k = c->k;
+    gemv_args a[2];
+    rows_fn rows[2];
     for (int m = GATE; m <= UP; m++) {
         const int block = gemv_is_block(jb->fmt[m]);
-        const gemv_args a = {jb->w[m], jb->ws[m], block ? 0 : c->xg + jb->p0 * k, k,
-                             block ? (int16_t *)c->xq + jb->p0 * k : 0, block ? (float *)c->xsc + jb->p0 * (k / 32) : 0,
-                             0, (m == GATE ? c->g : c->u) + jb->hoff, np, jb->width, k};
-        gemv_rows(jb->fmt[m])(&a, r0, r1);
+        a[m] = (gemv_args){jb->w[m], jb->ws[m], block ? 0 : c->xg + jb->p0 * k, k,
+                           block ? (int16_t *)c->xq + jb->p0 * k : 0, block ? (float *)c->xsc + jb->p0 * (k / 32) : 0,
+                           0, (m == GATE ? c->g : c->u) + jb->hoff, np, jb->width, k};
+        rows[m] = gemv_rows(jb->fmt[m]);
+    }
+    /* gate and up a few rows at a time: two streams advancing together, each prefetched ahead
+     * by the row kernel, instead of one cold start in the middle of the item */
+    for (int64_t r = r0; r < r1; r += GATE_UP_ROWS) {
+        const int64_t e = r + GATE_UP_ROWS < r1 ? r + GATE_UP_ROWS : r1;
+        rows[GATE](&a[GATE], r, e);
+        rows[UP](&a[UP], r, e);
     }
     for (int64_t p = 0; p < np; p++)
         silu_mul_n(c->g + jb->hoff + p * jb->width + r0, c->u + jb->hoff + p * jb->width + r0, r1 - r0);
@@ -131,21 +158,21 @@ static void item_gate_up(const moe_ctx *c, int64_t item) {
 /* Step D, one item: down rows [r0, r1) of job j for its pairs -> yd, once j's h is complete
  * (and, for a block-format down matrix, quantized: step C, by the first item of j to get
  * there). A thread reaches D only when every B item has been taken, so it waits only for
- * items another thread is running, and yields the CPU while it does. */
+ * items another thread is running (WAIT_UNTIL). */
 static void item_down(const moe_ctx *c, int64_t item) {
     const int j = c->item_job[item];
     const job *jb = c->jobs + j;
     const int64_t k = c->k, n = jb->width, np = jb->p1 - jb->p0;
     const int64_t r0 = c->item_row[item], r1 = r0 + c->rows_d_max < k ? r0 + c->rows_d_max : k;
     const int block = gemv_is_block(jb->fmt[DOWN]);
-    while (__atomic_load_n(&c->b_left[j], __ATOMIC_ACQUIRE) > 0) sched_yield();
+    WAIT_UNTIL(__atomic_load_n(&c->b_left[j], __ATOMIC_ACQUIRE) <= 0);
     if (block) {
         int idle = 0;
         if (__atomic_compare_exchange_n(&c->h_state[j], &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             gemv_quantize_rows(c->g + jb->hoff, n, np, n, c->hq + jb->hoff, c->hsc + jb->hsoff);
             __atomic_store_n(&c->h_state[j], 2, __ATOMIC_RELEASE);
         } else {
-            while (__atomic_load_n(&c->h_state[j], __ATOMIC_ACQUIRE) != 2) sched_yield();
+            WAIT_UNTIL(__atomic_load_n(&c->h_state[j], __ATOMIC_ACQUIRE) == 2);
         }
     }
     const gemv_args a = {jb->w[DOWN], jb->ws[DOWN], block ? 0 : c->g + jb->hoff, n,
@@ -171,6 +198,31 @@ static void take_items(const moe_ctx *c, void (*fn)(const moe_ctx *, int64_t), i
     }
 }
 
+/* A call's scratch (`bytes` a multiple of 64): the calling thread's arena, grown to twice the
+ * largest call up to ARENA_KEEP_BYTES and kept for the thread's life (a decode step's MoE calls
+ * then neither allocate nor fault pages in: at 16 tokens a Qwen3-MoE layer's 1.3 MB from malloc
+ * were ~10 fresh pages a call), or for a larger call (a prefill chunk) its own block, freed by
+ * scratch_done. NULL when it cannot be allocated. */
+static _Thread_local struct {
+    unsigned char *base;
+    size_t bytes;
+} arena;
+
+static unsigned char *scratch(size_t bytes) {
+    if (bytes > ARENA_KEEP_BYTES) return aligned_alloc(64, bytes);
+    if (bytes > arena.bytes) {
+        const size_t grown = 2 * bytes < ARENA_KEEP_BYTES ? 2 * bytes : ARENA_KEEP_BYTES;
+        free(arena.base);
+        arena.base = aligned_alloc(64, grown);
+        arena.bytes = arena.base ? grown : 0;
+    }
+    return arena.base;
+}
+
+static void scratch_done(unsigned char *base) {
+    if (base != arena.base) free(base);
+}
+
 static void fill_nan(float *out, int64_t t, int64_t k) {
     for (int64_t i = 0; i < t * k; i++) out[i] = NAN;
 }
@@ -194,59 +246,71 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
         else need_xf = 1;
     }
     const int64_t htot = pairs * width + (shared ? t * shared_width : 0);
+    const int64_t gu_bytes = gemv_row_bytes((int)desc[3], k) + gemv_row_bytes((int)desc[7], k);
+    const int64_t rows_b = ITEM_BYTES / (gu_bytes > 0 ? gu_bytes : 1) > 8 ? ITEM_BYTES / gu_bytes : 8;
+    const int64_t rows_d = ITEM_BYTES / gemv_row_bytes((int)desc[11], width) > 8 ? ITEM_BYTES / gemv_row_bytes((int)desc[11], width) : 8;
+    /* at most one job per pair (and the shared expert), each cut into items as below */
+    const int64_t jobs_max = (pairs < n_experts ? pairs : n_experts) + 1;
+    const int64_t widest = shared && shared_width > width ? shared_width : width;
+    const int64_t items_max = jobs_max * ((widest + rows_b - 1) / rows_b + (k + rows_d - 1) / rows_d);
+
+    /* the scratch, one block in this order (each part 64-byte aligned) */
+    const size_t sizes[] = {
+        (size_t)(n_experts + 1) * sizeof(int64_t),                /* count */
+        (size_t)n_experts * sizeof(int64_t),                      /* fill */
+        (size_t)t * sizeof(int64_t),                              /* seen */
+        (size_t)ptot * sizeof(int64_t),                           /* pair_of */
+        (size_t)ptot * sizeof(int64_t),                           /* tok_pairs */
+        (size_t)jobs_max * sizeof(job),                           /* jobs */
+        need_xf ? (size_t)(ptot * k) * sizeof(float) : 0,         /* xg */
+        need_xq ? (size_t)(ptot * k) * sizeof(int16_t) : 0,       /* xq */
+        need_xq ? (size_t)(ptot * (k / 32)) * sizeof(float) : 0,  /* xsc */
+        (size_t)htot * sizeof(float),                             /* g */
+        (size_t)htot * sizeof(float),                             /* u */
+        need_hq ? (size_t)htot * sizeof(int16_t) : 0,             /* hq */
+        need_hq ? (size_t)(htot / 32 + 1) * sizeof(float) : 0,    /* hsc */
+        (size_t)(ptot * k) * sizeof(float),                       /* yd */
+        (size_t)items_max * sizeof(int32_t),                      /* item_job */
+        (size_t)items_max * sizeof(int64_t),                      /* item_row */
+        (size_t)jobs_max * sizeof(int64_t),                       /* b_left */
+        (size_t)jobs_max * sizeof(int),                           /* h_state */
+    };
+    enum { NPARTS = sizeof sizes / sizeof sizes[0] };
+    size_t offsets[NPARTS + 1] = {0};
+    for (int i = 0; i < NPARTS; i++) offsets[i + 1] = offsets[i] + (sizes[i] + 63) / 64 * 64;
+    unsigned char *base = scratch(offsets[NPARTS]);
+    if (!base) {
+        fill_nan(out, t, k);
+        return;
+    }
+    void *part[NPARTS];
+    for (int i = 0; i < NPARTS; i++) part[i] = base + offsets[i];
+    int64_t *count = part[0], *fill = part[1], *seen = part[2];
+    int64_t *pair_of = part[3];   /* bucket position -> flat (token, slot) */
+    int64_t *tok_pairs = part[4]; /* token's bucket positions, in order */
+    job *jobs = part[5];
+    float *xg = part[6], *xsc = part[8], *g = part[9], *u = part[10], *hsc = part[12], *yd = part[13];
+    int16_t *xq = part[7], *hq = part[11];
+    int32_t *item_job = part[14];
+    int64_t *item_row = part[15], *b_left = part[16];
+    int *h_state = part[17];
+    memset(count, 0, sizes[0]);
+    memset(seen, 0, sizes[2]);
+    memset(h_state, 0, sizes[17]);
 
     /* counting sort of the pairs by expert (stable) */
-    int64_t *count = calloc((size_t)n_experts + 1, sizeof(int64_t));
-    int64_t *pair_of = malloc((size_t)ptot * sizeof(int64_t)); /* bucket position -> flat (token, slot) */
-    int64_t *tok_pairs = malloc((size_t)ptot * sizeof(int64_t)); /* token's bucket positions, in order */
-    job *jobs = malloc((size_t)(n_experts + 1) * sizeof(job));
-    float *xg = need_xf ? malloc((size_t)(ptot * k) * sizeof(float)) : 0;
-    int16_t *xq = need_xq ? malloc((size_t)(ptot * k) * sizeof(int16_t)) : 0;
-    float *xsc = need_xq ? malloc((size_t)(ptot * (k / 32)) * sizeof(float)) : 0;
-    float *g = malloc((size_t)htot * sizeof(float)), *u = malloc((size_t)htot * sizeof(float));
-    int16_t *hq = need_hq ? malloc((size_t)htot * sizeof(int16_t)) : 0;
-    float *hsc = need_hq ? malloc((size_t)(htot / 32 + 1) * sizeof(float)) : 0;
-    float *yd = malloc((size_t)(ptot * k) * sizeof(float));
-    int32_t *item_job = 0;
-    int64_t *item_row = 0;
-    int64_t *b_left = calloc((size_t)n_experts + 1, sizeof(int64_t));
-    int *h_state = calloc((size_t)n_experts + 1, sizeof(int));
-    if (!count || !pair_of || !tok_pairs || !jobs || !b_left || !h_state || (need_xf && !xg) || (need_xq && (!xq || !xsc)) || !g || !u ||
-        (need_hq && (!hq || !hsc)) || !yd) {
-        fill_nan(out, t, k);
-        goto done;
-    }
     for (int64_t i = 0; i < pairs; i++) count[ids[i] + 1]++;
     for (int64_t e = 0; e < n_experts; e++) count[e + 1] += count[e]; /* count[e]: first position of e */
-    {
-        int64_t *fill = malloc((size_t)n_experts * sizeof(int64_t));
-        if (!fill) {
-            fill_nan(out, t, k);
-            goto done;
-        }
-        memcpy(fill, count, (size_t)n_experts * sizeof(int64_t));
-        for (int64_t i = 0; i < pairs; i++) pair_of[fill[ids[i]]++] = i;
-        free(fill);
-    }
-    {
-        int64_t *seen = calloc((size_t)t, sizeof(int64_t));
-        if (!seen) {
-            fill_nan(out, t, k);
-            goto done;
-        }
-        for (int64_t p = 0; p < pairs; p++) {
-            const int64_t tok = pair_of[p] / top_k;
-            tok_pairs[tok * top_k + seen[tok]++] = p;
-        }
-        free(seen);
+    memcpy(fill, count, (size_t)n_experts * sizeof(int64_t));
+    for (int64_t i = 0; i < pairs; i++) pair_of[fill[ids[i]]++] = i;
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t tok = pair_of[p] / top_k;
+        tok_pairs[tok * top_k + seen[tok]++] = p;
     }
 
     /* jobs: the selected experts in ascending index, then the shared expert */
     int njobs = 0;
     int64_t hoff = 0, hsoff = 0, items_b = 0, items_d = 0, selected_bytes = 0;
-    const int64_t gu_bytes = gemv_row_bytes((int)desc[3], k) + gemv_row_bytes((int)desc[7], k);
-    const int64_t rows_b = ITEM_BYTES / (gu_bytes > 0 ? gu_bytes : 1) > 8 ? ITEM_BYTES / gu_bytes : 8;
-    const int64_t rows_d = ITEM_BYTES / gemv_row_bytes((int)desc[11], width) > 8 ? ITEM_BYTES / gemv_row_bytes((int)desc[11], width) : 8;
     for (int64_t e = 0; e <= n_experts; e++) {
         const int is_shared = e == n_experts;
         if (is_shared ? !shared : count[e + 1] == count[e]) continue;
@@ -271,12 +335,6 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     }
     /* a shared expert of another width takes the routed experts' rows per item: fine for the
      * split, which only needs items of similar size */
-    item_job = malloc((size_t)(items_b + items_d) * sizeof(int32_t));
-    item_row = malloc((size_t)(items_b + items_d) * sizeof(int64_t));
-    if (!item_job || !item_row) {
-        fill_nan(out, t, k);
-        goto done;
-    }
     {
         int64_t i = 0;
         for (int j = 0; j < njobs; j++)
@@ -287,11 +345,17 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     for (int64_t p = pairs; p < ptot; p++) pair_of[p] = -1 - (p - pairs); /* shared pair of token p - pairs */
 
     /* A: x gathered (and quantized) per pair in bucket order; on one thread, as E: a few
-     * microseconds a decode step, and no barrier for a descheduled thread to hold up */
+     * microseconds a decode step, and no barrier for a descheduled thread to hold up. A token
+     * is quantized at its first pair (the lowest bucket position) and copied to the others. */
     for (int64_t p = 0; p < ptot; p++) {
         const int64_t tok = pair_of[p] >= 0 ? pair_of[p] / top_k : -1 - pair_of[p];
+        const int64_t first = top_k > 0 ? tok_pairs[tok * top_k] : p;
         if (need_xf) memcpy(xg + p * k, x + tok * xs, (size_t)k * sizeof(float));
-        if (need_xq) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
+        if (need_xq && first == p) gemv_quantize_rows(x + tok * xs, xs, 1, k, xq + p * k, xsc + p * (k / 32));
+        else if (need_xq) {
+            memcpy(xq + p * k, xq + first * k, (size_t)k * sizeof(int16_t));
+            memcpy(xsc + p * (k / 32), xsc + first * (k / 32), (size_t)(k / 32) * sizeof(float));
+        }
     }
     for (int j = 0; j < njobs; j++) b_left[j] = (jobs[j].width + rows_b - 1) / rows_b;
 
@@ -304,9 +368,10 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
                        b_left, h_state};
 
     /* B then D (C inside D), no barrier between: a D item waits only for its own expert's B
-     * items. A thread that runs out of items yields until the whole team has, and only then
-     * enters the closing barrier: libgomp spins there, burning the time slice a descheduled
-     * team mate needs (5x the CPU time of one thread on an oversubscribed machine). */
+     * items. A thread that runs out of items waits (WAIT_UNTIL) until the whole team has, and
+     * only then enters the closing barrier: libgomp spins there much longer, burning the time
+     * slice a descheduled team mate needs (5x the CPU time of one thread on an oversubscribed
+     * machine). */
     int arrived = 0;
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
@@ -314,7 +379,7 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
         take_items(&c, item_down, items_b, items_d, nth, next_d);
         const int team = omp_get_num_threads();
         __atomic_add_fetch(&arrived, 1, __ATOMIC_ACQ_REL);
-        while (__atomic_load_n(&arrived, __ATOMIC_ACQUIRE) < team) sched_yield();
+        WAIT_UNTIL(__atomic_load_n(&arrived, __ATOMIC_ACQUIRE) >= team);
     }
 
     /* E: each token's weighted sum, ascending expert, then the shared expert */
@@ -344,7 +409,5 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
             for (; j < k; j++) o[j] += w * y[j];
         }
     }
-done:
-    free(count), free(pair_of), free(tok_pairs), free(jobs), free(xg), free(xq), free(xsc), free(g), free(u);
-    free(hq), free(hsc), free(yd), free(item_job), free(item_row), free(b_left), free(h_state);
+    scratch_done(base);
 }
