@@ -41,7 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-OP_NAMES = ("embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "attention_sliding", "silu_mul")
+OP_NAMES = ("embedding", "linear", "rms_norm", "add_rms_norm", "rope", "attention", "attention_sliding", "silu_mul",
+            "moe", "mla_attention")
 
 
 class _Clock:

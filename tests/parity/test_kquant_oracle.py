@@ -168,7 +168,8 @@ def test_weights_stay_in_their_stored_format(engines):
     fmt, _, quantized, _ = engines
     model = quantized.loaded.model
     main, down = ("q4_k", MIXED_FALLBACK) if fmt == MIXED else (fmt, fmt)
-    for weight in (model.embed, model.layers[0].q, model.layers[0].gate):
+    attn = model.layers[0].qkv if model.layers[0].qkv is not None else model.layers[0].q  # joined when one format
+    for weight in (model.embed, attn, model.layers[0].gate):
         assert isinstance(weight, QuantizedTensor) and weight.fmt == main
     assert isinstance(model.layers[1].down, QuantizedTensor) and model.layers[1].down.fmt == down
 

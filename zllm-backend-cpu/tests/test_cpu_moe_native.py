@@ -145,3 +145,34 @@ def test_an_expert_id_outside_the_stack_makes_the_output_nan_instead_of_reading_
     out = moe_experts(torch.randn(2, HIDDEN, generator=g), ids, torch.ones(2, 2), *stacks)
 
     assert bool(out.isnan().all())
+
+
+def test_a_gate_stack_called_again_with_other_weights_uses_those_weights(monkeypatch):
+    # The layer's weight descriptor is remembered per gate stack; the other five weights decide
+    # whether it still applies.
+    g = torch.Generator().manual_seed(4)
+    gate = make_expert_stack(g, "q8_0", 4, WIDTH, HIDDEN)
+    ups = [make_expert_stack(g, "q8_0", 4, WIDTH, HIDDEN), make_expert_stack(g, "f32", 4, WIDTH, HIDDEN)]
+    downs = [make_expert_stack(g, "q8_0", 4, HIDDEN, WIDTH), make_expert_stack(g, "bf16", 4, HIDDEN, WIDTH)]
+    shareds = [None, _shared(g, "q8_0", HIDDEN, SHARED_WIDTH)]
+    # rows of a wider tensor, cut into calls of 4 tokens: each call's start is an address
+    x = torch.randn(9, HIDDEN + 16, generator=g)[:, :HIDDEN]
+    ids, weights = torch.randint(0, 4, (9, 2), generator=g), torch.rand(9, 2, generator=g)
+    monkeypatch.setattr(moe_gemv, "MOE_CHUNK_TOKENS", 4)
+    for up, down, shared in [(ups[0], downs[0], None), (ups[1], downs[0], None), (ups[1], downs[1], None),
+                             (ups[1], downs[1], shareds[1]), (ups[0], downs[0], None)]:
+        out = moe_experts(x, ids, weights, gate, up, down, shared)
+        torch.testing.assert_close(out, one_by_one(x, ids, weights, gate, up, down, shared), atol=1e-3, rtol=1e-3)
+
+
+def test_a_stack_without_unit_inner_stride_runs_from_a_copy_that_follows_its_writes():
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(4, HIDDEN, WIDTH, generator=g).transpose(1, 2)  # [E, N, K], inner stride N
+    up = make_expert_stack(g, "f32", 4, WIDTH, HIDDEN)
+    down = make_expert_stack(g, "f32", 4, HIDDEN, WIDTH)
+    x, ids, weights = torch.randn(3, HIDDEN, generator=g), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    before = moe_experts(x, ids, weights, gate, up, down)
+    torch.testing.assert_close(before, one_by_one(x, ids, weights, gate, up, down), atol=1e-4, rtol=1e-4)
+    gate.mul_(2)
+    after = moe_experts(x, ids, weights, gate, up, down)
+    torch.testing.assert_close(after, one_by_one(x, ids, weights, gate, up, down), atol=1e-4, rtol=1e-4)

@@ -45,6 +45,7 @@ from zllm.weights.formats import (
     FORMATS,
     QuantizedTensor,
     WeightFormat,
+    concat_rows,
     format_of,
     stack_weights,
 )
@@ -100,5 +101,6 @@ __all__ = [
     "rope_params_from_config",
     "router_config_from_hf",
     "select_experts",
+    "concat_rows",
     "stack_weights",
 ]

@@ -26,6 +26,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import (
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from zllm.domain import moe as moe_ref
 from zllm.domain.moe import (
     RouterConfig,
     SharedExperts,
@@ -67,7 +68,8 @@ def routers(draw):
     if draw(st.booleans()):  # few distinct values: ties between experts and between groups
         logits = torch.randint(-1, 2, (t, n_experts), generator=g).float()
     else:
-        logits = torch.randn(t, n_experts, generator=g) * 3
+        # x60: scores down to ~1e-50 (sigmoid) and softmax rows dominated by one expert
+        logits = torch.randn(t, n_experts, generator=g) * draw(st.sampled_from([3.0, 60.0]))
     bias = None
     if method == "noaux_tc":
         bias = (
@@ -120,11 +122,48 @@ def test_router_picks_the_top_k_of_the_kept_groups_lowest_index_first_on_ties(ro
     assert out.topk_ids.tolist() == naive_selection(cfg, logits, bias)
     scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
     expected = scores.gather(1, out.topk_ids)  # unbiased scores of the chosen experts
-    if cfg.norm_topk_prob:
-        expected = expected / expected.sum(-1, keepdim=True)
+    if cfg.norm_topk_prob:  # the epsilon matters only for sums of tiny sigmoid scores
+        expected = expected / (expected.sum(-1, keepdim=True) + moe_ref._RENORM_EPS)
     torch.testing.assert_close(
         out.topk_weights, expected * cfg.routed_scaling_factor, rtol=1e-6, atol=1e-7
     )
+
+
+def sorted_selection(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | None):
+    """The router as its formulas read, one tensor op per step: a stable descending sort of the
+    (biased, group-masked) scores, the unbiased scores gathered, ``/ (sum + eps)``, ``* factor``."""
+    scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if cfg.topk_method != "greedy":
+        choice = moe_ref._mask_groups(choice, cfg)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, : cfg.num_experts_per_tok]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + moe_ref._RENORM_EPS)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+@settings(max_examples=150, deadline=None)
+@given(routers())
+def test_router_gives_the_bits_of_the_sorted_formula(router):
+    """The decode path (top-k + a tie check, the epsilon and a factor of 1 skipped where they
+    round away) changes no bit of the ids or weights."""
+    cfg, logits, bias = router
+    out = select_experts(logits, cfg, bias)
+    ids, weights = sorted_selection(cfg, logits, bias)
+    assert torch.equal(out.topk_ids, ids)
+    assert torch.equal(out.topk_weights, weights)
+
+
+def test_router_refuses_non_finite_logits_even_where_the_sum_overflows():
+    cfg = RouterConfig(4, 2)
+    huge = torch.full((1, 4), 3e38)  # finite, but the sum overflows
+    assert select_experts(huge, cfg).topk_ids.tolist() == [[0, 1]]
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        logits = torch.zeros(1, 4)
+        logits[0, 2] = bad
+        with pytest.raises(AssertionError, match="not finite"):
+            select_experts(logits, cfg)
 
 
 def per_token_moe(x, ids, weights, gate, up, down):

@@ -34,8 +34,11 @@ thread count:
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zllm.plugin_api import QuantizedTensor, RouterConfig, SharedExperts, format_of, select_experts
 from zllm_backend_cpu.kernels import GEMV_FORMATS, elementwise, gemv, moe_biased, quant_gemv
@@ -58,6 +61,12 @@ MOE_CHUNK_TOKENS = 256
 _FORMAT_NUMBER = {fmt: i for i, fmt in enumerate(GEMV_FORMATS)}  # gemv.h's enum
 # zllm_moe(x, x_row_stride, T, K, ids, weights, k, E, N, desc, Ns, shared_scale | NULL, out, threads)
 _ARGTYPES = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, P, INT)
+
+
+@functools.cache
+def _native_moe() -> Callable[..., None]:
+    """``zllm_moe``, bound on first use (importing this module needs no library)."""
+    return function("zllm_moe", *_ARGTYPES)
 
 
 def _gemv_or(native: Linear, fallback: Linear) -> Linear:
@@ -100,6 +109,28 @@ def _matrix(stack: Weight) -> tuple[list[int], torch.Tensor]:
         data = data.contiguous()
     expert_stride = data.stride(0) * data.element_size() if data.dim() == 3 else 0
     return [data.data_ptr(), expert_stride, data.stride(-2), _FORMAT_NUMBER[format_of(stack)]], data
+
+
+# gate stack -> (the other weights it was described with, the descriptor): a layer's weights
+# are described once, not every step; an entry goes with its gate stack.
+_DESCRIPTORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _descriptor(matrices: list[Weight], shared: SharedExperts | None) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """The kernel's ``desc`` (:func:`_matrix` of each of ``matrices``, up to six rows of four)
+    and the copies it points into (weights without unit inner stride). Remembered per gate
+    stack when no weight needed a copy: the addresses are then the weights' own, valid while
+    they live (a weight's bytes may be written in place, its storage is never swapped)."""
+    hit = _DESCRIPTORS.get(matrices[0])
+    if hit is not None and hit[0] is matrices[1] and hit[1] is matrices[2] and hit[2] is shared:
+        return hit[3], []
+    described = [_matrix(m) for m in matrices]
+    desc = (ctypes.c_int64 * 24)(*(v for d, _ in described for v in d))
+    held = [data for _, data in described]
+    if all(data is (m.data if isinstance(m, QuantizedTensor) else m)
+           for (_, data), m in zip(described, matrices, strict=True)):
+        _DESCRIPTORS[matrices[0]] = (matrices[1], matrices[2], shared, desc)
+    return desc, held
 
 
 def native_formats(gate_exps: Weight, up_exps: Weight, down_exps: Weight, shared: SharedExperts | None) -> bool:
@@ -147,19 +178,21 @@ def moe_experts(
         shared_width = shared.gate_proj.shape[0]
         assert tuple(shared.down_proj.shape) == (hidden, shared_width), (shared.down_proj.shape, shared_width)
         matrices += [shared.gate_proj, shared.up_proj, shared.down_proj]
-    described = [_matrix(m) for m in matrices]
-    desc = (ctypes.c_int64 * 24)(*(v for d, _ in described for v in d))
+    desc, held = _descriptor(matrices, shared)  # held: copies the descriptor points into, alive through the calls
     if x.stride(1) != 1:
         x = x.contiguous()
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     scale = None if shared_scale is None else shared_scale.float().contiguous().view(t)
     out = torch.empty(t, hidden)  # [T, K]
-    fn, threads = function("zllm_moe", *_ARGTYPES), torch.get_num_threads()
+    fn, threads = _native_moe(), torch.get_num_threads()
+    # chunk starts as addresses: a view per chunk would cost more than a decode step's call
+    x_ptr, ids_ptr, w_ptr, out_ptr = x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr()
+    x_row, pair_row = 4 * x.stride(0), top_k * ids.element_size()
     for start in range(0, t, MOE_CHUNK_TOKENS):
         rows = min(MOE_CHUNK_TOKENS, t - start)
-        fn(x[start].data_ptr(), x.stride(0), rows, hidden, ids[start].data_ptr(), weights[start].data_ptr(), top_k,
-           n_experts, width, desc, shared_width, None if scale is None else scale[start].data_ptr(),
-           out[start].data_ptr(), threads)
+        fn(x_ptr + start * x_row, x.stride(0), rows, hidden, ids_ptr + start * pair_row, w_ptr + start * 4 * top_k,
+           top_k, n_experts, width, desc, shared_width, None if scale is None else scale.data_ptr() + 4 * start,
+           out_ptr + start * 4 * hidden, threads)
     return out
 
 

@@ -42,6 +42,7 @@ than the kept groups hold.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -172,9 +173,22 @@ class RouterOutput:
     topk_weights: torch.Tensor
 
 
-def _topk_lowest_index(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices int64 ``[T, k]`` of the ``k`` largest ``values [T, n]``, ties lowest index first."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+def _topk_lowest_index(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices int64 [T, k], their values [T, k])`` of the ``k`` largest ``values [T, n]``,
+    ties lowest index first: the first ``k`` of a stable descending sort.
+
+    ``torch.topk`` over ``k + 1`` values is that answer whenever each row's ``k + 1`` largest
+    values are distinct (its order is then by value alone, and value ``k + 1`` is out); a
+    decode step's router takes that path (one ``topk`` and a check in Python, against a sort of
+    all ``n``), and a row with a tie among them takes the sort.
+    """
+    n = values.shape[-1]
+    if k < n:
+        top, ids = values.topk(k + 1, dim=-1)  # [T, k + 1], descending
+        if all(all(a > b for a, b in itertools.pairwise(row)) for row in top.tolist()):
+            return ids[:, :k], top[:, :k]
+    order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return order.indices[:, :k], order.values[:, :k]
 
 
 def _mask_groups(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
@@ -188,7 +202,7 @@ def _mask_groups(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
         group_scores = grouped.topk(2, dim=-1).values.sum(
             dim=-1
         )  # [T, G]; values only, so ties do not matter
-    kept = _topk_lowest_index(group_scores, cfg.topk_group)  # [T, topk_group]
+    kept = _topk_lowest_index(group_scores, cfg.topk_group)[0]  # [T, topk_group]
     keep = torch.zeros(t, cfg.n_group, dtype=torch.bool, device=choice.device).scatter_(
         1, kept, True
     )  # [T, G]
@@ -216,7 +230,11 @@ def select_experts(
         router_logits.dtype,
     )
     assert router_logits.shape[1] == cfg.num_experts, (router_logits.shape, cfg.num_experts)
-    assert bool(torch.isfinite(router_logits).all()), "router logits are not finite"
+    # A finite sum means finite logits (one reduction); an infinite one may be an overflow of
+    # finite logits, which the elementwise check tells apart.
+    assert math.isfinite(router_logits.sum()) or bool(torch.isfinite(router_logits).all()), (
+        "router logits are not finite"
+    )
     assert (e_score_correction_bias is not None) == (cfg.topk_method == "noaux_tc"), cfg.topk_method
     if cfg.scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)  # [T, E]
@@ -229,11 +247,19 @@ def select_experts(
         choice = scores + e_score_correction_bias  # [T, E]
     if cfg.topk_method != "greedy":
         choice = _mask_groups(choice, cfg)
-    topk_ids = _topk_lowest_index(choice, cfg.num_experts_per_tok)  # [T, k]
-    topk_weights = scores.gather(1, topk_ids)  # [T, k], unbiased
+    topk_ids, chosen = _topk_lowest_index(choice, cfg.num_experts_per_tok)  # [T, k] each
+    # [T, k], unbiased: the chosen values themselves unless a bias or a group mask changed them
+    topk_weights = chosen if choice is scores else scores.gather(1, topk_ids)
     if cfg.norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
-    return RouterOutput(topk_ids, topk_weights * cfg.routed_scaling_factor)
+        total = topk_weights.sum(dim=-1, keepdim=True)  # [T, 1]
+        if cfg.scoring_func != "softmax":
+            # Softmax top-k weights sum to at least 1 / E, where adding the epsilon rounds away
+            # (half an f32 ulp of any sum >= 2^-40 exceeds it): skipped, the same bits.
+            total = total + _RENORM_EPS
+        topk_weights = topk_weights / total
+    if cfg.routed_scaling_factor != 1.0:  # times 1.0 is exact: skipped
+        topk_weights = topk_weights * cfg.routed_scaling_factor
+    return RouterOutput(topk_ids, topk_weights)
 
 
 def route(

@@ -441,6 +441,46 @@ class QuantizedTensor:
         return self._with({name: fn(t) for name, t in self.parts.items()}, self.shape)
 
 
+def concat_rows(
+    weights: list[torch.Tensor] | list[QuantizedTensor],
+) -> torch.Tensor | QuantizedTensor | None:
+    """Weights ``[N_i, K]`` that multiply the same input as one ``[sum N_i, K]`` weight whose
+    rows are theirs in order (q, k and v projections as one QKV projection), in their format;
+    None when they cannot be joined without changing a value: different formats, columns or
+    blocks, a scale block of rows that would straddle two of them, or a part without rows (a
+    global scale, a column permutation) that differs between them.
+
+    A linear kernel computes each output row from its weight row and the input alone, so the
+    joined weight's outputs are the separate ones', side by side. The result is a new tensor
+    (the parts concatenated), not a view.
+    """
+    first = weights[0]
+    if not isinstance(first, QuantizedTensor):
+        dense = [w for w in weights if not isinstance(w, QuantizedTensor)]
+        if len(dense) != len(weights) or any(w.dim() != 2 or w.dtype != first.dtype or w.shape[1] != first.shape[1]
+                                              for w in dense):
+            return None
+        return torch.cat(dense)
+    quantized = [w for w in weights if isinstance(w, QuantizedTensor)]
+    if len(quantized) != len(weights) or len({(w.fmt, len(w.shape), w.shape[-1], w.block_shape, tuple(sorted(w.parts)))
+                                              for w in quantized}) != 1 or len(first.shape) != 2:
+        return None
+    spec = FORMATS[first.fmt]
+    parts: dict[str, torch.Tensor] = {}
+    for name in first.parts:
+        kind = spec.part(name).rows
+        pieces = [w.parts[name] for w in quantized]
+        if kind == UNROWED:
+            if not all(torch.equal(p, pieces[0]) for p in pieces[1:]):
+                return None
+            parts[name] = pieces[0]
+            continue
+        if kind == BLOCK_ROW and any(w.shape[0] % first.block_shape[0] for w in quantized):
+            return None
+        parts[name] = torch.cat(pieces, dim=-2)
+    return QuantizedTensor(parts, first.fmt, (sum(w.shape[0] for w in quantized), first.shape[1]), block=first.block)
+
+
 def stack_weights(weights: list[torch.Tensor] | list[QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
     """``E`` weights ``[N, K]`` (per-expert checkpoint tensors) as one ``[E, N, K]`` stack: dense
     tensors by ``torch.stack``, quantized ones part by part (each part gains the leading ``E``).

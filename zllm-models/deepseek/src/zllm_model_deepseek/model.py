@@ -33,6 +33,7 @@ from zllm.plugin_api import (
     QuantizedTensor,
     RopeTable,
     SharedExperts,
+    concat_rows,
     dequantize,
     rope_inv_freq,
     stack_weights,
@@ -56,7 +57,11 @@ class MoeWeights:
 
 @attrs.frozen
 class DeepseekLayer:
-    """The weights of one decoder layer (q_proj or the q_a/q_b pair; dense ``mlp`` or ``moe``)."""
+    """The weights of one decoder layer (q_proj or the q_a/q_b pair; dense ``mlp`` or ``moe``).
+
+    ``q_kv_a`` is ``q`` (or ``q_a``) and ``kv_a`` joined at load (:func:`concat_rows`: the two
+    projections of ``x`` as one GEMV, the same output rows) when they share a format and their
+    biases agree (q_proj has none); ``q`` (``q_a``), ``kv_a`` and their biases are then None."""
 
     attn_norm: Any
     mlp_norm: Any
@@ -75,6 +80,23 @@ class DeepseekLayer:
     up: Any = None
     down: Any = None
     moe: MoeWeights | None = None
+    q_kv_a: Any = None
+    q_kv_a_bias: Any = None
+
+
+def _joined_q_kv_a(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with ``q`` (or ``q_a``) and ``kv_a`` joined into ``q_kv_a`` where they can be
+    (see :class:`DeepseekLayer`), else unchanged."""
+    first = "q" if fields["q"] is not None else "q_a"
+    biases = [None, fields["kv_a_bias"]] if first == "q" else [fields["q_a_bias"], fields["kv_a_bias"]]
+    if len({b is None for b in biases}) != 1:
+        return fields
+    joined = concat_rows([fields[first], fields["kv_a"]])
+    if joined is None:
+        return fields
+    bias = None if biases[1] is None else torch.cat(biases)
+    return fields | {first: None, "kv_a": None, "q_a_bias": None, "kv_a_bias": None, "q_kv_a": joined,
+                     "q_kv_a_bias": bias}
 
 
 def _kv_b(w: dict[str, Any], p: str, spec: DeepseekSpec, notes: dict[str, str]) -> Any:
@@ -131,6 +153,7 @@ def _layer(w: dict[str, Any], i: int, spec: DeepseekSpec, notes: dict[str, str])
         kv_a_bias=w.get(a + "kv_a_proj_with_mqa.bias"),
         o_bias=w.get(a + "o_proj.bias"),
     )
+    fields = _joined_q_kv_a(fields)
     if not moe_layer:
         return DeepseekLayer(
             **fields,
@@ -225,7 +248,7 @@ class DeepseekModel:
         par = self.parallel
         out = par.prenorm_layers(
             ops, eps, [(layer.attn_norm, layer.mlp_norm) for layer in self.layers],
-            lambda i, x: self.attention(self.layers[i], x, cos, sin, meta, kv_caches[i][0][:, :, 0]),
+            lambda i, x: self.attention(self.layers[i], x, cos, sin, meta, kv_caches[i][0].select(2, 0)),
             lambda i, x: self.ffn(self.layers[i], x),
             lambda: par.embedding(ops, self.embed, token_ids, self.vocab_size), hidden,
             None if return_hidden else logits_indices)
@@ -249,21 +272,23 @@ class DeepseekModel:
         cache, attention over the cached rows, ``o_proj``. ``latent_cache`` ``[NB, BS, W]``."""
         ops, m = self.ops, self.spec.mla
         t, h, dn, r = x.shape[0], self._heads, m.qk_nope_head_dim, m.kv_lora_rank
-        if layer.q is not None:
-            q = ops.linear(x, layer.q)  # [T, H * (Dn + Dr)]
+        if layer.q_kv_a is not None:
+            q_or_q_a, kv_a = ops.linear(x, layer.q_kv_a, layer.q_kv_a_bias).split(
+                (layer.q_kv_a.shape[0] - r - m.qk_rope_head_dim, r + m.qk_rope_head_dim), dim=1
+            )  # views [T, H * (Dn + Dr)] or [T, Rq], and [T, R + Dr]
         else:
-            q_a = ops.rms_norm(
-                ops.linear(x, layer.q_a, layer.q_a_bias), layer.q_a_norm, m.latent_norm_eps
-            )  # [T, Rq]
-            q = ops.linear(q_a, layer.q_b)  # [T, H * (Dn + Dr)]
+            q_or_q_a = (ops.linear(x, layer.q) if layer.q is not None
+                        else ops.linear(x, layer.q_a, layer.q_a_bias))  # [T, H * (Dn + Dr)] or [T, Rq]
+            kv_a = ops.linear(x, layer.kv_a, layer.kv_a_bias)  # [T, R + Dr]
+        if layer.q_b is None:
+            q = q_or_q_a  # [T, H * (Dn + Dr)]
+        else:
+            q = ops.linear(ops.rms_norm(q_or_q_a, layer.q_a_norm, m.latent_norm_eps), layer.q_b)  # [T, H * (Dn + Dr)]
         q = q.view(t, h, m.qk_head_dim)
         q_nope = q[..., :dn]  # [T, H, Dn]
-        q_pe = self._rope(q[..., dn:].contiguous(), cos, sin)  # [T, H, Dr]
-        kv_a = ops.linear(x, layer.kv_a, layer.kv_a_bias)  # [T, R + Dr]
+        q_pe = self._rope(q[..., dn:], cos, sin)  # [T, H, Dr] (the kernels take row-strided views)
         c_kv = ops.rms_norm(kv_a[:, :r], layer.kv_a_norm, m.latent_norm_eps)  # [T, R]
-        k_pe = self._rope(
-            kv_a[:, None, r:].contiguous(), cos, sin
-        )  # [T, 1, Dr]: one rope key for all heads
+        k_pe = self._rope(kv_a[:, None, r:], cos, sin)  # [T, 1, Dr]: one rope key for all heads
         latent = torch.cat([c_kv, k_pe[:, 0]], dim=-1)  # [T, W]
         out = ops.mla_attention(q_nope, q_pe, latent, latent_cache, layer.kv_b, meta)  # [T, H, Dv]
         return ops.linear(out.reshape(t, h * m.v_head_dim), layer.o,
