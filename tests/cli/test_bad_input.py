@@ -12,6 +12,8 @@ import re
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from tests.cli.conftest import one_line_error, zllm
@@ -68,6 +70,27 @@ def test_truncated_gguf_names_the_file_and_says_it_is_truncated(tmp_path):
     line = one_line_error(zllm("run", "--config", write_config(tmp_path, gguf)))
     assert str(gguf) in line
     assert "truncated" in line
+
+
+def test_gguf_missing_a_tensor_names_it_as_the_file_would(tmp_path):
+    # It gave only the HF name, which no GGUF file contains.
+    gguf_path = tmp_path / "no-attn-k.gguf"
+    reader = gguf.GGUFReader(GGUF_F32)
+    writer = gguf.GGUFWriter(gguf_path, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name != "blk.1.attn_k.weight":
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    line = one_line_error(zllm("run", "--config", write_config(tmp_path, gguf_path)))
+    assert line == (f"error: {gguf_path}: tensor 'model.layers.1.self_attn.k_proj.weight': missing from the "
+                    "checkpoint (which would name it 'blk.1.attn_k.weight')")
 
 
 def test_safetensors_file_of_random_bytes_is_not_called_truncated(tmp_path):

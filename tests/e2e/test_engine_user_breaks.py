@@ -119,6 +119,8 @@ def _hf_copy(tmp_path: Path, file: str, edit) -> Path:
     ("head_dim", 7, "head_dim 7 is odd"),
     ("rope_scaling", {"rope_type": "linear", "factor": -1}, "factor -1 is not a finite number > 0"),  # ran
     ("rope_scaling", "x", "rope_scaling 'x' is not an object"),  # "dictionary update sequence ..."
+    ("tie_word_embeddings", "false", "tie_word_embeddings 'false' is not true or false"),  # read as true
+    ("attention_bias", "no", "attention_bias 'no' is not true or false"),  # read as true
 ])
 def test_bad_config_json_value_names_the_key(tmp_path, key, value, expect):
     ckpt = _hf_copy(tmp_path, "config.json", lambda c: c.__setitem__(key, value))

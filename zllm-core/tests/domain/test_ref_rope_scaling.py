@@ -3,6 +3,8 @@ both config styles (``rope_scaling`` + ``rope_theta``, ``rope_parameters``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -75,3 +77,38 @@ def test_unsupported_rope_is_named_with_the_supported_types(cfg, message):
         rope_params_from_config(cfg)
     if "longrope" in message:
         assert ", ".join(ROPE_TYPES) in str(e.value)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": -2.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 0.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": float("nan"), "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "attention_factor": float("inf")},
+    {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0, "high_freq_factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": float("nan")},
+])
+def test_non_positive_or_non_finite_scaling_value_is_named(rope):
+    # YaRN's factor and attention_factor and llama3's frequency bounds were taken as they were:
+    # a NaN or negative one gave NaN or negative frequencies and garbage text, with no error.
+    bad = next(k for k, v in rope.items() if k != "rope_type" and k != "original_max_position_embeddings"
+               and not (isinstance(v, float) and math.isfinite(v) and v > 0))
+    with pytest.raises(ValueError) as e:
+        rope_params_from_config({"max_position_embeddings": 256, "rope_parameters": rope})
+    assert str(e.value) == f"RoPE type {rope['rope_type']!r}: {bad} {rope[bad]!r} is not a finite number > 0"
+
+
+@pytest.mark.parametrize(("key", "value", "what"), [
+    ("mscale", float("nan"), "a finite number"),
+    ("mscale_all_dim", float("inf"), "a finite number"),
+    ("beta_fast", float("nan"), "a finite number > 0"),
+    ("beta_slow", -1.0, "a finite number > 0"),
+])
+def test_yarn_value_that_is_not_finite_is_named(key, value, what):
+    # A NaN mscale ended the engine loop with a traceback ("router logits are not finite");
+    # a NaN beta_fast raised "cannot convert float NaN to integer".
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+            "mscale_all_dim": 1.0, key: value}
+    with pytest.raises(ValueError) as e:
+        rope_params_from_config({"max_position_embeddings": 256, "rope_parameters": rope})
+    assert str(e.value) == f"RoPE type 'yarn': {key} {value!r} is not {what}"

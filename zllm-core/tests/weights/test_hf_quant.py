@@ -151,6 +151,56 @@ def test_unknown_method_format_or_field_names_it_and_lists_what_is_supported(tmp
     assert str(path / "config.json") in str(err.value) and named in str(err.value)
 
 
+@pytest.mark.parametrize("group_size", [None, 0, -1, "32", 2.5])
+def test_group_strategy_without_a_positive_group_size_is_a_config_error(tmp_path, group_size):
+    # It was read as one group per row, and failed later on the scale's shape.
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    if group_size is not None:
+        weights["group_size"] = group_size
+    path = _write(tmp_path, {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32),
+                             "m.weight_shape": torch.tensor([N, K]), "m.weight_scale": torch.ones(N, 1)},
+                  {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                   "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == (f"{path / 'config.json'}: quantization_config: config_groups.g.weights: strategy "
+                              f"'group' needs a group_size that is a positive integer, got {group_size!r}")
+
+
+@pytest.mark.parametrize(("targets", "what"), [
+    # re.error escaped as a traceback; a string was read as its letters, each a class name.
+    (["re:(bad"], "'re:(bad' is not a valid regular expression: missing ), unterminated subpattern at position 0"),
+    ([5], "5 is not a string"),
+    ("Linear", "'Linear' is not a list"),
+])
+def test_config_group_target_that_is_not_a_name_or_regular_expression_is_a_config_error(tmp_path, targets, what):
+    path = _write(tmp_path, {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32),
+                             "m.weight_shape": torch.tensor([N, K]), "m.weight_scale": torch.ones(N, 1)},
+                  {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+                      "targets": targets, "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == f"{path / 'config.json'}: quantization_config: config_groups.g.targets: {what}"
+
+
+@pytest.mark.parametrize(("qconfig", "what"), [
+    # bool("false") is True: each was read as true.
+    ({"quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": "yes"}, "desc_act 'yes'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": K, "sym": "no"}, "sym 'no'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": K, "version": "gemm", "zero_point": "false"},
+     "zero_point 'false'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel",
+                                           "symmetric": "false"}}}},
+     "config_groups.g.weights.symmetric 'false'"),
+])
+def test_flag_that_is_not_true_or_false_is_a_config_error(tmp_path, qconfig, what):
+    path = _write(tmp_path, {"x.weight": torch.zeros(2, 2)}, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == f"{path / 'config.json'}: quantization_config: {what} is not true or false"
+
+
 def _w8a8(tmp_path: Path, drop: str | None = None, symmetric: bool = True, **changes) -> Path:
     """compressed-tensors int-quantized W8A8: int8 weight [N, K], weight_scale [N, 1] per channel."""
     tensors = {"m.weight": torch.tensor(Q, dtype=torch.int8) - 8, "m.weight_scale": torch.tensor(S).reshape(N, 1)}
@@ -224,8 +274,25 @@ def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
     tensors["m.scales"][0, 3] = float("nan")
     ckpt = open_checkpoint(_write(tmp_path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": K,
                                                       "checkpoint_format": "gptq_v2"}))
-    with pytest.raises(TensorError, match=r"'m.scales': NaN scale at index \[3, 0\]"):
+    # the index is the stored tensor's ([K/g, N]), not the transposed [N, K/g] the kernels get
+    with pytest.raises(TensorError, match=r"'m.scales': NaN scale at index \[0, 3\]"):
         load_weights(ckpt, {"m.weight": TensorSpec((N, K))})
+
+
+@pytest.mark.parametrize(("build", "tensor", "what"), [
+    (lambda p: _gptq(p, tensors={"m.scales": torch.tensor([S[:3] + [-float("inf")] + S[4:]], dtype=torch.float16)}),
+     "m.scales", "infinite scale at index [0, 3] (1 infinite of 8)"),
+    (lambda p: _w8a8(p, tensors={"m.weight_scale": torch.tensor(S[:5] + [float("inf")] + S[6:]).reshape(N, 1)}),
+     "m.weight_scale", "infinite scale at index [5, 0] (1 infinite of 8)"),
+    (lambda p: _modelopt_fp8(p, tensors={"m.weight_scale": torch.tensor(float("inf"))}),
+     "m.weight_scale", "infinite scale at index [] (1 infinite of 1)"),
+])
+def test_infinite_scale_is_named_when_the_weight_loads(tmp_path, build, tensor, what):
+    # An inf scale decodes to inf and NaN weights: the run gave empty text and no error.
+    ckpt = open_checkpoint(build(tmp_path))
+    with pytest.raises(TensorError) as err:
+        load_weights(ckpt, {"m.weight": TensorSpec((N, K))})
+    assert err.value.tensor == tensor and what in str(err.value)
 
 
 def test_modelopt_export_without_quantization_config_reads_hf_quant_config(tmp_path):

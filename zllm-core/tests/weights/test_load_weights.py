@@ -64,6 +64,38 @@ def test_mis_shaped_tensor_is_named():
     assert e.value.file == str(STORIES_HF / "model.safetensors")
 
 
+@pytest.mark.parametrize("change", ["mis-shaped", "unused"])
+def test_gguf_tensor_error_gives_the_name_the_file_uses_too(change):
+    # Only the HF name was given: a GGUF user searching the file for it found nothing.
+    ckpt = open_checkpoint(STORIES_GGUF_F32)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    specs = specs_of(ckpt)
+    if change == "mis-shaped":
+        specs[name] = TensorSpec((64, 64))
+    else:
+        del specs[name]
+    with pytest.raises(TensorError, match=change) as e:
+        load_weights(ckpt, specs)
+    assert e.value.tensor == name and e.value.file_tensor == "blk.1.attn_k.weight"
+    assert str(e.value).startswith(f"{STORIES_GGUF_F32}: tensor '{name}' (in the file: 'blk.1.attn_k.weight'): ")
+
+
+def test_tensor_missing_from_a_gguf_file_gives_the_name_the_file_would_use():
+    ckpt = open_checkpoint(STORIES_GGUF_F32)
+    specs = specs_of(ckpt) | {"model.layers.1.self_attn.q_proj.bias": TensorSpec((64,))}
+    with pytest.raises(TensorError) as e:
+        load_weights(ckpt, specs)
+    assert e.value.tensor == "model.layers.1.self_attn.q_proj.bias"
+    assert str(e.value).endswith("missing from the checkpoint (which would name it 'blk.1.attn_q.bias')")
+
+
+def test_hf_tensor_error_names_the_tensor_once():
+    ckpt = open_checkpoint(STORIES_HF)
+    with pytest.raises(TensorError) as e:
+        load_weights(ckpt, specs_of(ckpt) | {"model.layers.1.self_attn.k_proj.weight": TensorSpec((64, 64))})
+    assert "in the file" not in str(e.value) and e.value.file_tensor is None
+
+
 def test_wrong_format_is_checked_after_dtype_conversion():
     ckpt = open_checkpoint(STORIES_HF)
     with pytest.raises(TensorError, match="format 'f32' not accepted; expected one of f16"):

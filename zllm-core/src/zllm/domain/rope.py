@@ -94,8 +94,9 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
     weights layer writes for ``rope_freqs.weight``.
 
     Raises:
-        ValueError: unsupported type or feature (names it and the supported types), or a
-            key the type needs is missing.
+        ValueError: unsupported type or feature (names it and the supported types), a key
+            the type needs is missing, a factor, frequency bound or YaRN attention factor or
+            beta is not a finite number > 0, or a YaRN mscale is not finite.
     """
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(raw, dict):
@@ -118,16 +119,30 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
         cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos
     )
 
-    def need(key: str) -> float:
-        if params.get(key) is None:
-            raise ValueError(f"RoPE type {rope_type!r} needs {key!r} in rope_parameters/rope_scaling")
+    def positive(key: str) -> float:
         value = _number(key, params[key])
-        if key == "factor" and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"RoPE type {rope_type!r}: factor {params[key]!r} is not a finite number > 0")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"RoPE type {rope_type!r}: {key} {params[key]!r} is not a finite number > 0")
         return value
 
+    def need(key: str) -> float:
+        """A scaling value the type needs: a factor or a frequency bound, finite and > 0."""
+        if params.get(key) is None:
+            raise ValueError(f"RoPE type {rope_type!r} needs {key!r} in rope_parameters/rope_scaling")
+        return positive(key)
+
     def opt(key: str) -> float | None:
-        return None if params.get(key) is None else _number(key, params[key])
+        """An optional YaRN mscale: absent, or a finite number."""
+        if params.get(key) is None:
+            return None
+        value = _number(key, params[key])
+        if not math.isfinite(value):
+            raise ValueError(f"RoPE type {rope_type!r}: {key} {params[key]!r} is not a finite number")
+        return value
+
+    def beta(key: str, default: float) -> float:
+        """YaRN's ``beta_fast``/``beta_slow``; absent or 0 is the default, as HF's ``or`` reads it."""
+        return positive(key) if params.get(key) else default
 
     factors = cfg.get("rope_freq_factors")
     common: dict[str, Any] = dict(rope_type=rope_type, theta=theta, max_position_embeddings=max_pos,
@@ -141,11 +156,12 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
         return RopeParams(**common, factor=need("factor"), low_freq_factor=need("low_freq_factor"),
                           high_freq_factor=need("high_freq_factor"))
     # yarn: a missing factor is the ratio of the two context lengths (HF, for DeepSeek-V3).
-    factor = opt("factor")
+    factor = None if params.get("factor") is None else positive("factor")
+    attention_factor = None if params.get("attention_factor") is None else positive("attention_factor")
     return RopeParams(
         **common, factor=max_pos / original if factor is None else factor,
-        attention_factor=opt("attention_factor"), mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
-        beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
+        attention_factor=attention_factor, mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+        beta_fast=beta("beta_fast", 32.0), beta_slow=beta("beta_slow", 1.0),
         truncate=bool(params.get("truncate", True)),
     )
 

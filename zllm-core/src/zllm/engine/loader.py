@@ -40,7 +40,6 @@ from zllm.spec.errors import (
     CheckpointError,
     ConfigError,
     PluginError,
-    TensorError,
     UnknownArchitectureError,
 )
 from zllm.spec.tensor_spec import TensorSpec
@@ -48,6 +47,7 @@ from zllm.tokenizer import Tokenizer
 from zllm.weights import Checkpoint, load_weights, open_checkpoint
 from zllm.weights.checkpoint import check_block_shard
 from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor
+from zllm.weights.loading import check_present
 
 #: Share of the memory available before the weights are read that weights and an automatically
 #: sized KV cache (``runtime.kv_cache.num_blocks: null``) may take together; the rest is left
@@ -197,10 +197,8 @@ def load_model(cfg: ZllmConfig, host: PluginHost, on_tensor: Callable[[str, int]
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     planned = ParallelContext(launch.rank % tp, tp, pp_rank=launch.rank // tp, pp_size=pp) if launch else SINGLE
     specs = _sharded_specs(family, spec, planned, info.name)
+    check_present(ckpt, specs)
     present = set(ckpt.tensor_names())
-    for name, tspec in specs.items():
-        if name not in present and not tspec.optional:
-            raise TensorError(str(ckpt.path), name, "missing from the checkpoint")
     formats = {n: _stored_format(ckpt.tensor_shape_format(n)[1], cfg.model.dtype) for n in specs if n in present}
     needed = without_retired(family.required_capabilities(spec, formats))
     choice = select_backend(host, cfg.backend.name, needed, info.name)

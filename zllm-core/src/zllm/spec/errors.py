@@ -76,11 +76,15 @@ class CheckpointError(ZllmError):
 
 
 class TensorError(CheckpointError):
-    """A tensor is missing, unused or mis-shaped. ``tensor`` names it."""
+    """A tensor is missing, unused or mis-shaped. ``tensor`` names it (its canonical, HF
+    name); ``file_tensor``, when the file calls it otherwise (a GGUF file's
+    ``blk.0.attn_q.weight``), is the file's name, given beside it in the message."""
 
-    def __init__(self, file: str, tensor: str, message: str):
+    def __init__(self, file: str, tensor: str, message: str, file_tensor: str | None = None):
         self.tensor = tensor
-        super().__init__(file, f"tensor {tensor!r}: {message}")
+        self.file_tensor = file_tensor if file_tensor != tensor else None
+        named = f"tensor {tensor!r}" + (f" (in the file: {self.file_tensor!r})" if self.file_tensor else "")
+        super().__init__(file, f"{named}: {message}")
 
 
 class UnknownArchitectureError(CheckpointError):

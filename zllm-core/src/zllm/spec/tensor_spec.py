@@ -62,7 +62,9 @@ class TensorSpec:
             s = self.shard
             assert 0 <= s.dim < len(self.shape) and 0 <= s.start <= s.start + s.size <= self.shape[s.dim], (self, s)
 
-    def check(self, name: str, tensor_shape: Iterable[int], fmt: str, file: str) -> None:
+    def check(
+        self, name: str, tensor_shape: Iterable[int], fmt: str, file: str, file_tensor: str | None = None
+    ) -> None:
         """Raise unless a tensor of ``tensor_shape`` stored as ``fmt`` satisfies this spec.
 
         Args:
@@ -70,6 +72,7 @@ class TensorSpec:
             tensor_shape: the tensor's logical shape.
             fmt: the tensor's format name (``f32``, ``q8_0`` …).
             file: the checkpoint file holding the tensor, for the error.
+            file_tensor: the file's own name for the tensor where it differs (GGUF), for the error.
 
         Raises:
             TensorError: the shape differs (the message names expected and actual shapes) or
@@ -77,8 +80,10 @@ class TensorSpec:
         """
         actual = _shape(tensor_shape)
         if actual != self.shape:
-            raise TensorError(file, name, f"mis-shaped: expected shape {list(self.shape)}, got {list(actual)}")
+            raise TensorError(file, name, f"mis-shaped: expected shape {list(self.shape)}, got {list(actual)}",
+                              file_tensor)
         if self.formats is not None and fmt not in self.formats:
             raise TensorError(
-                file, name, f"format {fmt!r} not accepted; expected one of {', '.join(sorted(self.formats))}"
+                file, name, f"format {fmt!r} not accepted; expected one of {', '.join(sorted(self.formats))}",
+                file_tensor,
             )

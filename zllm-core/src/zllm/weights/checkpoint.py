@@ -157,6 +157,12 @@ class Checkpoint(abc.ABC):
     def file_of(self, name: str) -> Path:
         """The file that holds tensor ``name`` (for error messages). Raises TensorError if absent."""
 
+    def file_tensor_name(self, name: str) -> str:
+        """The name the file itself gives tensor ``name``, or would give it if it lacks it (for
+        error messages): the canonical name unless the format names tensors its own way
+        (GGUF's ``blk.0.attn_q.weight``)."""
+        return name
+
     @abc.abstractmethod
     def load_tokenizer(self) -> Any:
         """The checkpoint's tokenizer as a ``zllm.tokenizer.Tokenizer``.

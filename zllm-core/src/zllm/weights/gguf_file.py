@@ -62,6 +62,7 @@ def _mxfp4_from_gguf(data: torch.Tensor, shape: tuple[int, ...]) -> QuantizedTen
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+_HF_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _f32_value(value: float) -> float:
@@ -261,6 +262,23 @@ class GGUFCheckpoint(Checkpoint):
     def file_of(self, name: str) -> Path:
         self._lookup(name)
         return self.path
+
+    def file_tensor_name(self, name: str) -> str:
+        """The GGUF name of tensor ``name``: the file's, or for a tensor the file lacks the one
+        the architecture's tensor map gives it (``name`` itself if the map has none)."""
+        if name in self._canonical:
+            return self._canonical[name].name
+        m = self._map
+        kind = name.rsplit(".", 1)[-1]
+        if layer := _HF_LAYER_TENSOR.fullmatch(name):
+            index, rest = layer.groups()
+            for base, hf in m.block_tensors.items():
+                if rest == hf or rest in (f"{hf}.weight", f"{hf}.bias"):
+                    return f"blk.{index}.{base}" if rest == hf else f"blk.{index}.{base}.{kind}"
+        for base, hf in m.global_tensors.items():
+            if name in (f"{hf}.weight", f"{hf}.bias"):
+                return f"{base}.{kind}"
+        return name
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         t = self._lookup(name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -61,21 +61,19 @@ def load_weights(
     """
     if dtype not in LOAD_DTYPES:
         raise ValueError(f"unknown load dtype {dtype!r}; expected one of {', '.join(LOAD_DTYPES)}")
+    check_present(checkpoint, specs)
     names = checkpoint.tensor_names()
-    present = set(names)
-    missing = [n for n, s in specs.items() if not s.optional and n not in present]
-    if missing:
-        raise TensorError(str(checkpoint.path), missing[0], f"missing from the checkpoint{_more(missing[1:])}")
     unused = [n for n in names if n not in specs]
     if unused:
         raise TensorError(
-            str(checkpoint.file_of(unused[0])), unused[0], f"unused (not part of the model){_more(unused[1:])}"
+            str(checkpoint.file_of(unused[0])), unused[0], f"unused (not part of the model){_more(unused[1:])}",
+            checkpoint.file_tensor_name(unused[0]),
         )
     for name in names:
         shape, fmt = checkpoint.tensor_shape_format(name)
         file = str(checkpoint.file_of(name))
         loaded_fmt = fmt if dtype == "auto" or fmt not in DTYPE_OF_FORMAT else dtype
-        specs[name].check(name, shape, loaded_fmt, file)
+        specs[name].check(name, shape, loaded_fmt, file, checkpoint.file_tensor_name(name))
         shard = specs[name].shard
         if shard is not None:
             check_block_shard(name, shape, loaded_fmt, shard, file)
@@ -93,6 +91,21 @@ def load_weights(
             nbytes = weight.nbytes if isinstance(weight, QuantizedTensor) else weight.numel() * weight.element_size()
             on_tensor(name, nbytes)
     return weights
+
+
+def check_present(checkpoint: Checkpoint, specs: Mapping[str, TensorSpec]) -> None:
+    """Raise unless ``checkpoint`` holds every tensor ``specs`` requires (before any is read).
+
+    Raises:
+        TensorError: names the first missing tensor, the name the checkpoint's file would give
+            it where that differs (a GGUF file's ``blk.0.attn_q.bias``), and the others missing.
+    """
+    present = set(checkpoint.tensor_names())
+    missing = [n for n, s in specs.items() if not s.optional and n not in present]
+    if missing:
+        stored = checkpoint.file_tensor_name(missing[0])
+        would = f" (which would name it {stored!r})" if stored != missing[0] else ""
+        raise TensorError(str(checkpoint.path), missing[0], f"missing from the checkpoint{would}{_more(missing[1:])}")
 
 
 def parameter_count(checkpoint: Checkpoint) -> int:

@@ -149,8 +149,17 @@ class LlamaSpec:
         return self.num_kv_heads * self.head_dim
 
 
-def _flag(cfg: dict[str, Any], rule: str | bool) -> bool:
-    return rule if isinstance(rule, bool) else bool(cfg.get(rule, False))
+def _flag(cfg: dict[str, Any], rule: str | bool, source: str) -> bool:
+    """``rule`` if the architecture fixes it, else the config's ``rule`` key (absent or null:
+    false); a CheckpointError unless true or false (``bool("false")`` is True)."""
+    if isinstance(rule, bool):
+        return rule
+    value = cfg.get(rule)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CheckpointError(source, f"{rule} {value!r} is not true or false")
+    return value
 
 
 def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, context_length: int,
@@ -242,10 +251,10 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
         rms_norm_eps=float(eps),
         rope=rope,
         context_length=context_length,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=_flag(cfg, rules.qkv_bias),
-        o_bias=_flag(cfg, rules.o_bias),
-        mlp_bias=_flag(cfg, rules.mlp_bias),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source),
+        qkv_bias=_flag(cfg, rules.qkv_bias, source),
+        o_bias=_flag(cfg, rules.o_bias, source),
+        mlp_bias=_flag(cfg, rules.mlp_bias, source),
         qk_norm=rules.qk_norm,
         layer_windows=_layer_windows(cfg, rules, num_layers, context_length, source),
         rope_interleaved=interleaved,

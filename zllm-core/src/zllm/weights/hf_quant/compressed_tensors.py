@@ -28,9 +28,10 @@ from zllm.weights.hf_quant.plan import (
     Reader,
     ceil_div,
     check_keys,
+    finite_scale,
+    flag,
     group_perm,
     int_weight,
-    no_nan,
     unpack_words,
 )
 
@@ -64,7 +65,15 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         check_keys(ctx, f"config_groups.{gname}", group, _CT_GROUP_KEYS)
         weights = group.get("weights") or {}
         check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
+        flag(ctx, f"config_groups.{gname}.weights.", weights, "symmetric", True)
         fmt = group.get("format") or q.get("format")
+        group_size = weights.get("group_size")
+        if weights.get("strategy") in ("group", "tensor_group") and (
+                isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            # compressed-tensors' QuantizationArgs refuses a missing or non-positive one too;
+            # read as they were, none meant one group per row and -1 a negative group count.
+            raise ctx.config_error(f"config_groups.{gname}.weights: strategy {weights['strategy']!r} needs a "
+                                   f"group_size that is a positive integer, got {group_size!r}")
         if weights and fmt not in CT_FORMATS:
             raise ctx.config_error(f"format {fmt!r} (config_groups.{gname}) is not supported; supported: "
                                    f"{', '.join(CT_FORMATS)}")
@@ -72,7 +81,19 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         if activations:
             check_keys(ctx, f"config_groups.{gname}.input_activations", activations, CT_ARGS_KEYS)
             ctx.note_quantized_activations(_activations_text(activations))
-        groups.append(_CtGroup(tuple(group.get("targets") or ()), weights, fmt))
+        if not isinstance(group.get("targets") or [], list):
+            raise ctx.config_error(f"config_groups.{gname}.targets: {group['targets']!r} is not a list")
+        targets = tuple(group.get("targets") or ())
+        for target in targets:
+            if not isinstance(target, str):
+                raise ctx.config_error(f"config_groups.{gname}.targets: {target!r} is not a string")
+            if target.startswith("re:"):
+                try:
+                    re.compile(target[3:])
+                except re.error as e:
+                    raise ctx.config_error(f"config_groups.{gname}.targets: {target!r} is not a valid regular "
+                                           f"expression: {e}") from None
+        groups.append(_CtGroup(targets, weights, fmt))
     return groups
 
 
@@ -159,7 +180,7 @@ def _ct_int(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
 
     def build(read: Reader) -> QuantizedTensor:
         q = read(name).view(torch.uint8) ^ 0x80  # int8 v -> unsigned v + 128 (two's complement)
-        scales = no_nan(ctx, scale, read(scale).float()).reshape(-1, k // g).expand(n, k // g)
+        scales = finite_scale(ctx, scale, read(scale).float()).reshape(-1, k // g).expand(n, k // g)
         if symmetric:
             zeros = torch.full((n, k // g), 128, dtype=torch.uint8)
         else:
@@ -207,7 +228,7 @@ def _ct_pack(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
 
     def build(read: Reader) -> QuantizedTensor:
         words = read(packed)  # int32 [N, ceil(K*b/32)]
-        scales = no_nan(ctx, prefix + "weight_scale", read(prefix + "weight_scale").float())
+        scales = finite_scale(ctx, prefix + "weight_scale", read(prefix + "weight_scale").float())
         if symmetric:
             zeros = torch.full((n, k // g), offset, dtype=torch.uint8)
         else:  # packed along N: words [ceil(N*b/32), K/g]
@@ -253,8 +274,8 @@ def _ct_fp4(ctx: PlanContext, prefix: str, group: _CtGroup, fmt: str) -> None:
         if fmt == "mxfp4" and (parts["scales"] == 255).any():
             raise ctx.error(scale, "E8M0 scale byte 255 (NaN)")
         if fmt == "nvfp4":
-            no_nan(ctx, scale, parts["scales"].view(torch.float8_e4m3fn).float())
-            gscale = no_nan(ctx, glob, read(glob).float()).reshape(tuple(lead))
+            finite_scale(ctx, scale, parts["scales"].view(torch.float8_e4m3fn).float())
+            gscale = finite_scale(ctx, glob, read(glob).float()).reshape(tuple(lead))
             if (gscale == 0).any():
                 raise ctx.error(glob, "weight_global_scale 0 has no reciprocal")
             parts["global_scale"] = 1.0 / gscale

@@ -16,9 +16,10 @@ from zllm.weights.hf_quant.plan import (
     Reader,
     Stored,
     check_keys,
+    finite_scale,
+    flag,
     group_perm,
     int_weight,
-    no_nan,
     unpack_words,
 )
 
@@ -59,6 +60,8 @@ def plan_gptq(ctx: PlanContext) -> None:
     check_keys(ctx, "quant_method 'gptq'", q, _GPTQ_KEYS)
     bits, group = _bits_group(ctx, (4, 8))
     version = q.get("checkpoint_format") or q.get("format") or "gptq"
+    desc_act = flag(ctx, "", q, "desc_act", False)
+    flag(ctx, "", q, "sym", True)  # the zero points are stored either way
     if version not in ("gptq", "gptq_v2"):
         raise ctx.config_error(f"checkpoint_format {version!r} is not supported; supported: gptq, gptq_v2")
     per_word = 32 // bits
@@ -78,7 +81,7 @@ def plan_gptq(ctx: PlanContext) -> None:
         if has_g_idx:
             ctx.expect(prefix + "g_idx", ("I32", "I64"), (k,), "g_idx")
             sources.append(prefix + "g_idx")
-        elif q.get("desc_act"):
+        elif desc_act:
             raise ctx.error(qweight, f"desc_act is set but {prefix}g_idx is missing")
         ctx.add(Fold(logical, f"int{bits}_g", (n, k), (1, g), tuple(sources),
                      _gptq_build(ctx, prefix, bits, g, n, k, version == "gptq", has_g_idx)))
@@ -94,7 +97,7 @@ def _gptq_build(ctx: PlanContext, prefix: str, bits: int, g: int, n: int, k: int
                 raise ctx.error(prefix + "qzeros", "a GPTQ v1 zero point of 255 + 1 does not fit 8 bits; "
                                                    "save the checkpoint as gptq_v2")
             zeros = zeros + 1
-        scales = no_nan(ctx, prefix + "scales", read(prefix + "scales").float().t())  # [N, K/g]
+        scales = finite_scale(ctx, prefix + "scales", read(prefix + "scales").float()).t()  # [N, K/g]
         perm = group_perm(ctx, prefix + "g_idx", read(prefix + "g_idx"), k, g) if has_g_idx else None
         return int_weight(q, scales, zeros, bits, g, perm)
 
@@ -109,6 +112,7 @@ def plan_awq(ctx: PlanContext) -> None:
     version = str(q.get("version") or q.get("format") or "gemm").lower()
     if version != "gemm":
         raise ctx.config_error(f"version {version!r} is not supported; supported: gemm")
+    has_zeros = flag(ctx, "", q, "zero_point", True)
     for prefix, n, k in _int_modules(ctx, "AWQ", lambda e: e.shape[0], lambda e: e.shape[1] * 8):
         qweight = prefix + "qweight"
         g = k if group == -1 else group
@@ -117,7 +121,6 @@ def plan_awq(ctx: PlanContext) -> None:
         ctx.need(prefix + "scales", qweight, "scales")
         ctx.expect(prefix + "scales", FLOAT_SCALE_DTYPES, (k // g, n), "scales")
         sources = [qweight, prefix + "scales"]
-        has_zeros = bool(q.get("zero_point", True))
         if has_zeros:
             ctx.need(prefix + "qzeros", qweight, "qzeros")
             ctx.expect(prefix + "qzeros", ("I32",), (k // g, n // 8), "qzeros")
@@ -142,7 +145,7 @@ def _awq_build(ctx: PlanContext, prefix: str, g: int, n: int, k: int,
             zeros = unpack_words(read(prefix + "qzeros"), 4)[:, order].t()  # [N, K/g]
         else:
             zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
-        scales = no_nan(ctx, prefix + "scales", read(prefix + "scales").float().t())
+        scales = finite_scale(ctx, prefix + "scales", read(prefix + "scales").float()).t()  # [N, K/g]
         return int_weight(q, scales, zeros, 4, g, None)
 
     return build

@@ -11,7 +11,7 @@ import torch
 from zllm.weights.formats import QuantizedTensor
 from zllm.weights.hf_quant.fp8 import fp8_fold
 from zllm.weights.hf_quant.kv_cache import plan_kv_cache
-from zllm.weights.hf_quant.plan import Fold, PlanContext, Reader, check_keys, no_nan
+from zllm.weights.hf_quant.plan import Fold, PlanContext, Reader, check_keys, finite_scale
 
 # config_groups / quant_library: what modelopt's convert_hf_quant_config_format adds to the
 # config.json it writes (a compressed-tensors-like restatement of quant_algo, which decides here).
@@ -83,8 +83,8 @@ def _modelopt_nvfp4(ctx: PlanContext) -> None:
 
         def build(read: Reader, prefix: str = prefix, shape: tuple[int, ...] = shape) -> QuantizedTensor:
             s = read(prefix + "weight_scale").view(torch.uint8)
-            no_nan(ctx, prefix + "weight_scale", s.view(torch.float8_e4m3fn).float())
-            gscale = no_nan(ctx, prefix + "weight_scale_2", read(prefix + "weight_scale_2").float())
+            finite_scale(ctx, prefix + "weight_scale", s.view(torch.float8_e4m3fn).float())
+            gscale = finite_scale(ctx, prefix + "weight_scale_2", read(prefix + "weight_scale_2").float())
             return QuantizedTensor({"qweight": read(prefix + "weight"), "scales": s,
                                     "global_scale": gscale.reshape(shape[:-2])}, "nvfp4", shape)
 

@@ -62,7 +62,7 @@ class Fold:
         sources: the checkpoint tensors folded into it; the first stands in its place in
             the checkpoint's tensor order.
         build: ``build(read) -> QuantizedTensor``; reads the sources and raises
-            :class:`TensorError` on bad values (NaN scales, a ``weight_shape`` that disagrees).
+            :class:`TensorError` on bad values (NaN or infinite scales, a ``weight_shape`` that disagrees).
     """
 
     name: str
@@ -167,16 +167,29 @@ def check_keys(ctx: PlanContext, where: str, given: Mapping[str, Any], known: It
                                f"in {where}; known: {', '.join(sorted(known))}")
 
 
+def flag(ctx: PlanContext, where: str, given: Mapping[str, Any], key: str, default: bool) -> bool:
+    """``given[key]`` (the config's ``{where}{key}``), ``default`` when absent or null; a config
+    error unless it is true or false (``bool("false")`` is True)."""
+    value = given.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ctx.config_error(f"{where}{key} {value!r} is not true or false")
+    return value
+
+
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive integers."""
     return -(-a // b)
 
 
-def no_nan(ctx: PlanContext, name: str, scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` itself; a TensorError on ``name`` giving the first NaN's index and the count if any."""
-    if torch.isnan(scale).any():
-        first = [int(i) for i in torch.nonzero(torch.isnan(scale))[0]]
-        raise ctx.error(name, f"NaN scale at index {first} ({int(torch.isnan(scale).sum())} NaN of {scale.numel()})")
+def finite_scale(ctx: PlanContext, name: str, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` itself; a TensorError on ``name`` giving the first NaN's (else the first
+    infinity's) index and the count if any: either decodes its whole group to NaN or inf."""
+    for bad, what in ((torch.isnan(scale), "NaN"), (torch.isinf(scale), "infinite")):
+        if bad.any():
+            first = [int(i) for i in torch.nonzero(bad)[0]]
+            raise ctx.error(name, f"{what} scale at index {first} ({int(bad.sum())} {what} of {scale.numel()})")
     return scale
 
 
@@ -187,7 +200,7 @@ def scale_f32(ctx: PlanContext, name: str, t: torch.Tensor, e8m0: bool) -> torch
         if (b == 255).any():
             raise ctx.error(name, "E8M0 scale byte 255 (NaN)")
         return torch.ldexp(torch.ones(b.shape), b.to(torch.int32) - 127)
-    return no_nan(ctx, name, t.float())
+    return finite_scale(ctx, name, t.float())
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
