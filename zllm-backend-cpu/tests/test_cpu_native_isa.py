@@ -33,7 +33,7 @@ if unavailable_reason() is not None:  # the kernel modules bind the library's en
     pytest.skip(f"native library: {unavailable_reason()}", allow_module_level=True)
 
 from test_cpu_gemv import make_weight  # noqa: E402
-from test_cpu_quant_gemv import CASES, assert_close_to_reference, make_case  # noqa: E402
+from test_cpu_quant_gemv import CASES, assert_close_to_reference, make_case, random_weight  # noqa: E402
 
 from zllm.conformance.cases import make_expert_stack  # noqa: E402
 from zllm_backend_cpu.kernels import gemv, quant_gemv  # noqa: E402
@@ -125,11 +125,60 @@ def test_hf_layouts_stay_within_the_reference_tolerance_at_each_level(level, cas
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("case", ["fp8_channel", "fp8_ragged", "int4_g", "mxfp4"])
-def test_hf_layouts_give_each_row_the_same_bits_alone_or_in_a_batch_at_each_level(level, case):
+@settings(max_examples=25, deadline=None)
+@given(fmt=st.sampled_from(["int4_g", "int4_sym", "mxfp4", "nvfp4"]), group=st.sampled_from([16, 32, 64, 128, 256]),
+       t=st.sampled_from([1, 2, 3, 5]), n=st.sampled_from([1, 7, 40]), chunks=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_nibble_layouts_in_128_column_chunks_stay_within_the_reference_tolerance_at_each_level(
+        level, fmt, group, t, n, chunks, seed):
+    # K a multiple of 128: the chunk kernels (csrc/quant_gemv.c), x in lane order, scales per lane
+    g = torch.Generator().manual_seed(seed)
+    k = 128 * chunks
+    w = random_weight(fmt[:4] + "_g" if fmt.startswith("int4") else fmt, n, k, g,
+                      (1, group if k % group == 0 else 128), zero_point=fmt != "int4_sym")
+    x = torch.randn(t, k, generator=g)
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, w, None)
+    assert_close_to_reference(got, x, w, None)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_nan_nvfp4_scale_makes_its_row_nan_in_the_chunk_kernels_at_each_level(level):
+    g = torch.Generator().manual_seed(5)
+    w = random_weight("nvfp4", 3, 256, g)
+    w.parts["scales"][1, 9] = 0x7F  # E4M3FN NaN, in the second 128 columns of row 1
+    x = torch.randn(2, 256, generator=g)
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, w, None)
+    assert got[:, 1].isnan().all() and got[:, [0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", ["int4_g", "mxfp4", "nvfp4"])
+def test_the_chunk_kernels_give_the_same_bits_on_one_thread_and_two_at_each_level(level, fmt):
+    g = torch.Generator().manual_seed(11)
+    w = random_weight(fmt, 2100, 512, g, (1, 32))  # 2100 x 256 bytes: past the one-thread limit, many items
+    x = torch.randn(3, 512, generator=g)
+    saved = torch.get_num_threads()
+    with at_level(level):
+        try:
+            torch.set_num_threads(1)
+            one = quant_gemv.quant_gemv(x, w, None)
+            torch.set_num_threads(2)
+            two = quant_gemv.quant_gemv(x, w, None)
+        finally:
+            torch.set_num_threads(saved)
+    assert one.abs().sum() > 0 and torch.equal(one, two)
+    assert_close_to_reference(two, x, w, None)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("case", ["fp8_channel", "fp8_ragged", "int4_g", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("k_units", [5, 8])  # K 160: 16-column steps; K 256: 128-column chunks (nibbles)
+def test_hf_layouts_give_each_row_the_same_bits_alone_or_in_a_batch_at_each_level(level, case, k_units):
     g = torch.Generator().manual_seed(7)
-    w = make_case(case, 37, 5, g)
-    x = torch.randn(7, 160, generator=g)
+    w = make_case(case, 37, k_units, g)
+    x = torch.randn(7, 32 * k_units, generator=g)
     with at_level(level):
         batch = quant_gemv.linear_quant_gemv_invariant(x, w, None)
         alone = torch.cat([quant_gemv.linear_quant_gemv_invariant(x[i:i + 1], w, None) for i in range(7)])

@@ -18,10 +18,11 @@ scheme; ``bench/quant_gemv.py`` compares the two). Activations are f32 in and ou
 Numerics (``csrc/quant_gemv.c``): activations stay f32 (the reference's; the GGUF GEMV's
 int16 rounding of the activations would differ numerically from dequantize-then-matmul, which
 issue #14 allows only as a named variant). Each weight is decoded exactly (E4M3 through F16C,
-nibbles and E2M1 through byte shuffles) and multiplied in f32; each scale group's sum is scaled
-once. Results differ from the f32 reference by rounding only (~1e-6 relative), and each output
-row is computed in an order that depends only on the format and ``K``: batch-invariant for any
-``T`` in the GEMV.
+nibbles and E2M1 through table lookups) and multiplied in f32; sums are scaled per group (or,
+for 4-bit rows in 128-column chunks, per 8 columns, INT4's zero point applied as ``z`` times
+the sum of ``x``). Results differ from the f32 reference by rounding only (~1e-6 relative),
+and each output row is computed in an order that depends only on the format, ``K`` and the
+group size: batch-invariant for any ``T`` in the GEMV.
 """
 
 from __future__ import annotations
