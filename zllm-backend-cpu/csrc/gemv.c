@@ -272,24 +272,7 @@ static void rows_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {           
     }                                                                                           \
 }
 
-#define QUANT_ROWS(NAME)                                                                        \
-static void rows_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {                           \
-    const int64_t n = a->n, k = a->k;                                                           \
-    for (int64_t r = r0; r < r1; r++) {                                                         \
-        const uint8_t *wr = (const uint8_t *)a->w + r * a->ws;                                  \
-        const float *br = a->bias ? a->bias + r : 0;                                            \
-        int64_t t = 0;                                                                          \
-        for (; t + 4 <= a->t; t += 4)                                                           \
-            dot_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 4); \
-        const int64_t left = a->t - t;                                                          \
-        const int16_t *xq = a->xq + t * k;                                                      \
-        const float *xs = a->xsc + t * (k / 32);                                                \
-        float *y = a->y + t * n + r;                                                            \
-        if (left == 1) dot_##NAME(wr, xq, xs, k, br, y, n, 1);                                  \
-        else if (left == 2) dot_##NAME(wr, xq, xs, k, br, y, n, 2);                             \
-        else if (left == 3) dot_##NAME(wr, xq, xs, k, br, y, n, 3);                             \
-    }                                                                                           \
-}
+#define QUANT_ROWS(NAME) GEMV_QUANT_ROWS(rows_##NAME, dot_##NAME, )
 
 DENSE_ROWS(f32, float)
 DENSE_ROWS(bf16, uint16_t)

@@ -32,6 +32,29 @@ enum { GEMV_F32, GEMV_F16, GEMV_BF16, GEMV_Q8_0, GEMV_Q4_0, GEMV_Q4_1, GEMV_Q5_0
 
 #define GEMV_INTERNAL __attribute__((visibility("hidden")))
 
+/* The row loop of a block format's row kernel FN (gemv.c, gemv_avx512.c): per row, the tokens
+ * in groups of 4 through DOT (one conversion of a weight block for 4 tokens), then the last
+ * 1-3 together; DOT's last argument is a literal so each count gets its own unrolled body.
+ * ATTR: the ISA level's target attribute, or nothing. */
+#define GEMV_QUANT_ROWS(FN, DOT, ATTR)                                                          \
+ATTR static void FN(const gemv_args *a, int64_t r0, int64_t r1) {                               \
+    const int64_t n = a->n, k = a->k;                                                           \
+    for (int64_t r = r0; r < r1; r++) {                                                         \
+        const uint8_t *wr = (const uint8_t *)a->w + r * a->ws;                                  \
+        const float *br = a->bias ? a->bias + r : 0;                                            \
+        int64_t t = 0;                                                                          \
+        for (; t + 4 <= a->t; t += 4)                                                           \
+            DOT(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 4);       \
+        const int64_t left = a->t - t;                                                          \
+        const int16_t *xq = a->xq + t * k;                                                      \
+        const float *xs = a->xsc + t * (k / 32);                                                \
+        float *y = a->y + t * n + r;                                                            \
+        if (left == 1) DOT(wr, xq, xs, k, br, y, n, 1);                                         \
+        else if (left == 2) DOT(wr, xq, xs, k, br, y, n, 2);                                    \
+        else if (left == 3) DOT(wr, xq, xs, k, br, y, n, 3);                                    \
+    }                                                                                           \
+}
+
 /* The row kernel of `format` at the ISA level in use (isa.h), or NULL for a number outside
  * the enum. */
 GEMV_INTERNAL rows_fn gemv_rows(int format);

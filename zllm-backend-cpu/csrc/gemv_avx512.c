@@ -126,23 +126,7 @@ INLINE AVX512 void dot512_##NAME(const uint8_t *w, const int16_t *xq, const floa
 /* Rows [r0, r1) for all T tokens: groups of TOKENS_MAX, then the last 1-3 together. */
 #define QUANT_ROWS512(NAME, BLOCK_BYTES, HAS_MIN)                                              \
 QUANT_DOT512(NAME, BLOCK_BYTES, HAS_MIN)                                                       \
-AVX512 static void rows512_##NAME(const gemv_args *a, int64_t r0, int64_t r1) {                 \
-    const int64_t n = a->n, k = a->k;                                                           \
-    for (int64_t r = r0; r < r1; r++) {                                                         \
-        const uint8_t *wr = (const uint8_t *)a->w + r * a->ws;                                  \
-        const float *br = a->bias ? a->bias + r : 0;                                            \
-        int64_t t = 0;                                                                          \
-        for (; t + 4 <= a->t; t += 4)                                                           \
-            dot512_##NAME(wr, a->xq + t * k, a->xsc + t * (k / 32), k, br, a->y + t * n + r, n, 4); \
-        const int64_t left = a->t - t;                                                          \
-        const int16_t *xq = a->xq + t * k;                                                      \
-        const float *xs = a->xsc + t * (k / 32);                                                \
-        float *y = a->y + t * n + r;                                                            \
-        if (left == 1) dot512_##NAME(wr, xq, xs, k, br, y, n, 1);                               \
-        else if (left == 2) dot512_##NAME(wr, xq, xs, k, br, y, n, 2);                          \
-        else if (left == 3) dot512_##NAME(wr, xq, xs, k, br, y, n, 3);                          \
-    }                                                                                           \
-}
+GEMV_QUANT_ROWS(rows512_##NAME, dot512_##NAME, AVX512)
 
 QUANT_ROWS512(q8_0, 34, 0)
 QUANT_ROWS512(q4_0, 18, 0)

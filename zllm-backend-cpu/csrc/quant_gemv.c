@@ -304,23 +304,25 @@ INLINE void dot_row(const qweight *w, int64_t r, const float *x, int64_t xs, flo
     for (int t = 0; t < TT; t++) y[t] = hsum(tot[t]) + tail[t];
 }
 
-/* Rows [r0, r1) times all T tokens, pairs of tokens then a last single one -> y [T, N]. */
-#define ROWS(NAME, LAYOUT)                                                                     \
-static void rows_##NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs,  \
-                        const float *bias, float *y, int64_t t) {                              \
+/* Rows [r0, r1) times all T tokens, pairs of tokens then a last single one -> y [T, N], with
+ * DOT (dot_row, or a chunk kernel's dot) for one row and up to TOKENS_MAX tokens. */
+#define ROW_KERNEL(NAME, LAYOUT, DOT, ATTR)                                                       \
+ATTR static void NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs,     \
+                      const float *bias, float *y, int64_t t) {                                \
     for (int64_t r = r0; r < r1; r++) {                                                         \
         float v[TOKENS_MAX];                                                                    \
         int64_t j = 0;                                                                          \
         for (; j + TOKENS_MAX <= t; j += TOKENS_MAX) {                                          \
-            dot_row(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                               \
+            DOT(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                                   \
             for (int i = 0; i < TOKENS_MAX; i++) y[(j + i) * w->n + r] = bias ? v[i] + bias[r] : v[i]; \
         }                                                                                       \
         if (j < t) {                                                                            \
-            dot_row(w, r, x + j * xs, xs, v, LAYOUT, 1);                                        \
+            DOT(w, r, x + j * xs, xs, v, LAYOUT, 1);                                            \
             y[j * w->n + r] = bias ? v[0] + bias[r] : v[0];                                     \
         }                                                                                       \
     }                                                                                           \
 }
+#define ROWS(NAME, LAYOUT) ROW_KERNEL(rows_##NAME, LAYOUT, dot_row, )
 
 ROWS(fp8, L_FP8)
 ROWS(int4, L_INT4)
@@ -478,26 +480,9 @@ INLINE void dot_lanes(const qweight *w, int64_t r, const float *x, int64_t xs, f
     for (int t = 0; t < TT; t++) y[t] = hsum(tot[t]);
 }
 
-#define ROWS_LANES(NAME, LAYOUT, DOT, ATTR)                                                    \
-ATTR static void NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs,     \
-                      const float *bias, float *y, int64_t t) {                                \
-    for (int64_t r = r0; r < r1; r++) {                                                         \
-        float v[TOKENS_MAX];                                                                    \
-        int64_t j = 0;                                                                          \
-        for (; j + TOKENS_MAX <= t; j += TOKENS_MAX) {                                          \
-            DOT(w, r, x + j * xs, xs, v, LAYOUT, TOKENS_MAX);                                   \
-            for (int i = 0; i < TOKENS_MAX; i++) y[(j + i) * w->n + r] = bias ? v[i] + bias[r] : v[i]; \
-        }                                                                                       \
-        if (j < t) {                                                                            \
-            DOT(w, r, x + j * xs, xs, v, LAYOUT, 1);                                            \
-            y[j * w->n + r] = bias ? v[0] + bias[r] : v[0];                                     \
-        }                                                                                       \
-    }                                                                                           \
-}
-
-ROWS_LANES(lanes_int4, L_INT4, dot_lanes, )
-ROWS_LANES(lanes_mxfp4, L_MXFP4, dot_lanes, )
-ROWS_LANES(lanes_nvfp4, L_NVFP4, dot_lanes, )
+ROW_KERNEL(lanes_int4, L_INT4, dot_lanes, )
+ROW_KERNEL(lanes_mxfp4, L_MXFP4, dot_lanes, )
+ROW_KERNEL(lanes_nvfp4, L_NVFP4, dot_lanes, )
 
 /* ---- AVX-512 (isa.h): 16 columns in one 16-lane vector ---- */
 
@@ -760,9 +745,9 @@ INLINE AVX512 void dot_lanes_512(const qweight *w, int64_t r, const float *x, in
     for (int t = 0; t < TT; t++) y[t] = hsum512(a[t][0]);
 }
 
-ROWS_LANES(lanes512_int4, L_INT4, dot_lanes_512, AVX512)
-ROWS_LANES(lanes512_mxfp4, L_MXFP4, dot_lanes_512, AVX512)
-ROWS_LANES(lanes512_nvfp4, L_NVFP4, dot_lanes_512, AVX512)
+ROW_KERNEL(lanes512_int4, L_INT4, dot_lanes_512, AVX512)
+ROW_KERNEL(lanes512_mxfp4, L_MXFP4, dot_lanes_512, AVX512)
+ROW_KERNEL(lanes512_nvfp4, L_NVFP4, dot_lanes_512, AVX512)
 
 #define ROWS512(NAME, LAYOUT)                                                                  \
 AVX512 static void rows512_##NAME(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, \
