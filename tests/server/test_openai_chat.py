@@ -77,3 +77,17 @@ def test_sdk_parse_of_bad_request_raises_bad_request_error(client, chat_server):
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-unknown", messages=MESSAGES)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stream_options_without_stream_is_a_400_naming_it(client, chat_server, route):
+    # OpenAI and vLLM refuse it; zllm accepted it and answered without usage chunks.
+    with pytest.raises(openai.BadRequestError) as info:
+        if route == "chat":
+            client.chat.completions.create(model=chat_server.model, messages=MESSAGES, max_tokens=2,
+                                           stream_options={"include_usage": True})
+        else:
+            client.completions.create(model=chat_server.model, prompt="Once", max_tokens=2,
+                                      stream_options={"include_usage": True})
+    assert info.value.body["param"] == "stream_options"
+    assert client.chat.completions.create(model=chat_server.model, messages=MESSAGES, max_tokens=2).choices

@@ -34,7 +34,7 @@ from zllm.server.common import (
 from zllm.server.errors import ApiError
 from zllm.server.generation import merged_events, open_streams, run_all_to_end
 from zllm.server.logprobs import chat_logprobs
-from zllm.server.openai_completions import StreamOptions
+from zllm.server.openai_completions import StreamOptions, check_stream_options
 
 router = APIRouter()
 
@@ -135,6 +135,7 @@ def engine_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def engine_request(body: ChatCompletionRequest) -> dict[str, Any]:
+    check_stream_options(body.stream, body.stream_options)
     for field in ("logit_bias", "functions", "function_call", "reasoning_effort", "audio", "prediction",
                   "web_search_options"):
         reject_if(getattr(body, field), field)

@@ -43,6 +43,17 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # accepted and ignored: zllm adds no padding
 
 
+def check_stream_options(stream: bool | None, options: StreamOptions | None) -> None:
+    """A 400 for ``stream_options`` on a request that does not stream, as OpenAI and vLLM answer.
+
+    Raises:
+        ApiError: 400, param ``stream_options``.
+    """
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
+
+
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
@@ -66,6 +77,7 @@ RENAMES = {"prompt_token_ids": "prompt"}
 
 
 def engine_request(body: CompletionRequest) -> dict[str, Any]:
+    check_stream_options(body.stream, body.stream_options)
     if body.best_of not in (None, 1):
         raise ApiError(400, "best_of: only best_of = 1 is supported", param="best_of", code="unsupported_parameter")
     reject_if(body.logit_bias, "logit_bias")
