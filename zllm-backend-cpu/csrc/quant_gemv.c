@@ -801,6 +801,13 @@ static void int8_sums_x(const qweight *w, const float *x, int64_t xs, int64_t t,
     }
 }
 
+/* The 16 unsigned bytes at q as f32 times each token's 16 floats at x (rows xs apart) into a[t][h]. */
+INLINE AVX512 void u8x16_fma(const uint8_t *q, const float *x, int64_t xs, const int TT, __m512 a[TOKENS_MAX][4],
+                             const int h) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    for (int t = 0; t < TT; t++) a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs), a[t][h]);
+}
+
 /* An INT8 row (int8_sums_fit) times TT tokens of x with group sums (int8_sums_x) -> y[t]. Per
  * group the unsigned q (one zero-extension and one conversion per 16 columns, no zero point)
  * times x into four accumulators (16-column steps j % 4), (a0 + a1) + (a2 + a3), minus z times
@@ -821,16 +828,10 @@ INLINE AVX512 void dot_int8_512(const qweight *w, int64_t r, const float *x, int
         int64_t c = gi * g;
         for (; c + 64 <= c1; c += 64) { /* constant indices keep a[][] in registers */
             PREFETCH_ROW(row + c); /* one cache line */
-            for (int h = 0; h < 4; h++) {
-                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c + 16 * h))));
-                for (int t = 0; t < TT; t++)
-                    a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + c + 16 * h), a[t][h]);
-            }
+            for (int h = 0; h < 4; h++) u8x16_fma(row + c + 16 * h, x + c + 16 * h, xs, TT, a, h);
         }
-        for (int h = 0; h < 3 && c < c1; h++, c += 16) {
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
-            for (int t = 0; t < TT; t++) a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + c), a[t][h]);
-        }
+        for (int h = 0; h < 3; h++) /* unrolled: h stays a constant */
+            if (c + 16 * h < c1) u8x16_fma(row + c + 16 * h, x + c + 16 * h, xs, TT, a, h);
         const __m512 s = _mm512_set1_ps(sf[gi]);
         const float z = zr ? (float)zr[gi] : 0.0f;
         for (int t = 0; t < TT; t++) {
