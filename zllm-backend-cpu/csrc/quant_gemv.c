@@ -622,7 +622,7 @@ INLINE AVX512 void dot_row_512(const qweight *w, int64_t r, const float *x, int6
         if (!nibbles || c % 2 == 0) {
             for (; c + 32 <= c1; c += 32) /* constant indices keep a[][] in registers */
                 for (int h = 0; h < 2; h++) {
-                    if (h == 0) PREFETCH_ROW(row + (nibbles ? c / 2 : c)); /* half a line or less */
+                    PREFETCH_ROW(row + (nibbles ? (c + 16 * h) / 2 : c + 16 * h));
                     const __m512 v = cols16_512(row, c + 16 * h, z, layout);
                     for (int t = 0; t < TT; t++)
                         a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs + c + 16 * h), a[t][h]);
