@@ -53,6 +53,16 @@
  * 1.06x; AVX2 INT4 0.45 / 0.44x -> 0.69 / 0.70x, MXFP4 0.42 / 0.44x -> 0.64 / 0.60x, NVFP4
  * 0.40 / 0.40x -> 0.55 / 0.55x.
  *
+ * INT8 rows at AVX-512 with K and the groups multiples of 16 (compressed-tensors W8A16, per
+ * channel or in groups): x is copied once per call with each group's sum of x after it
+ * (int8_sums_x); per 16 columns the unsigned q are one zero-extension and one conversion (no
+ * zero point subtracted), times x into four accumulators (steps j % 4); per group (a0 + a1) +
+ * (a2 + a3) minus z times the group's x sum (in lane 0), times the scale into the row total:
+ * s (sum q x - z sum x), as the INT4 chunk kernels apply theirs. Three vector operations per 16
+ * weights instead of four; measured (bench/quant_gemv.py --threads 1, ratio to Q8_0 at AVX-512)
+ * in docs/performance.md. FP8 keeps its five (sign extension, shift, mask, F16C conversion,
+ * FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
+ *
  * Order: every output element is reduced in an order that depends only on the layout, K, the
  * group size and the ISA level in use (never on T, N, the other rows or the thread split; x's
  * rearrangement depends only on the token's own row): an output row is
@@ -772,6 +782,69 @@ ROWS512(int8, L_INT8)
 ROWS512(mxfp4, L_MXFP4)
 ROWS512(nvfp4, L_NVFP4)
 
+/* ---- AVX-512 INT8 rows against x with its group sums (zero points out of the inner loop) ---- */
+
+/* Whether an INT8 row takes dot_int8_512: groups and K multiples of 16 (no scalar tail). */
+INLINE int int8_sums_fit(int64_t k, int64_t g) { return native_isa_level >= ISA_AVX512 && k % 16 == 0 && g % 16 == 0; }
+
+/* x [T, K] (row stride xs) -> xd [T, xds]: x, then at K + gi the sum of group gi's columns of x,
+ * added in column order. */
+static void int8_sums_x(const qweight *w, const float *x, int64_t xs, int64_t t, float *xd, int64_t xds) {
+    for (int64_t j = 0; j < t; j++) {
+        memcpy(xd + j * xds, x + j * xs, (size_t)w->k * sizeof(float));
+        for (int64_t gi = 0; gi < w->ng; gi++) {
+            const int64_t c1 = (gi + 1) * w->g < w->k ? (gi + 1) * w->g : w->k;
+            float s = 0.0f;
+            for (int64_t c = gi * w->g; c < c1; c++) s += x[j * xs + c];
+            xd[j * xds + w->k + gi] = s;
+        }
+    }
+}
+
+/* The 16 unsigned bytes at q as f32 times each token's 16 floats at x (rows xs apart) into a[t][h]. */
+INLINE AVX512 void u8x16_fma(const uint8_t *q, const float *x, int64_t xs, const int TT, __m512 a[TOKENS_MAX][4],
+                             const int h) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    for (int t = 0; t < TT; t++) a[t][h] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * xs), a[t][h]);
+}
+
+/* An INT8 row (int8_sums_fit) times TT tokens of x with group sums (int8_sums_x) -> y[t]. Per
+ * group the unsigned q (one zero-extension and one conversion per 16 columns, no zero point)
+ * times x into four accumulators (16-column steps j % 4), (a0 + a1) + (a2 + a3), minus z times
+ * the group's x sum in lane 0 (s (sum q x - z sum x): the zero point once a group, the rounding
+ * relative to sum |q x| rather than sum |(q - z) x|, as the INT4 lane kernels), times the scale
+ * into a 16-lane row total; then the horizontal sum. */
+INLINE AVX512 void dot_int8_512(const qweight *w, int64_t r, const float *x, int64_t xs, float *y, const int layout,
+                                const int TT) {
+    ROW_PARTS(w, r, layout);
+    (void)s8;
+    __m512 tot[TOKENS_MAX];
+    for (int t = 0; t < TT; t++) tot[t] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const int64_t c1 = (gi + 1) * g < k ? (gi + 1) * g : k;
+        __m512 a[TOKENS_MAX][4];
+        for (int t = 0; t < TT; t++)
+            for (int h = 0; h < 4; h++) a[t][h] = _mm512_setzero_ps();
+        int64_t c = gi * g;
+        for (; c + 64 <= c1; c += 64) { /* constant indices keep a[][] in registers */
+            PREFETCH_ROW(row + c); /* one cache line */
+            for (int h = 0; h < 4; h++) u8x16_fma(row + c + 16 * h, x + c + 16 * h, xs, TT, a, h);
+        }
+        for (int h = 0; h < 3; h++) /* unrolled: h stays a constant */
+            if (c + 16 * h < c1) u8x16_fma(row + c + 16 * h, x + c + 16 * h, xs, TT, a, h);
+        const __m512 s = _mm512_set1_ps(sf[gi]);
+        const float z = zr ? (float)zr[gi] : 0.0f;
+        for (int t = 0; t < TT; t++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
+            const __m512 zx = _mm512_set1_ps(z * x[t * xs + k + gi]);
+            tot[t] = _mm512_fmadd_ps(_mm512_mask_sub_ps(sum, 1, sum, zx), s, tot[t]);
+        }
+    }
+    for (int t = 0; t < TT; t++) y[t] = hsum512(tot[t]);
+}
+
+ROW_KERNEL(sums512_int8, L_INT8, dot_int8_512, AVX512)
+
 static void decode_fp8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_FP8); }
 static void decode_int4(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT4); }
 static void decode_int8(const qweight *w, int64_t r, float *out) { decode_row(w, r, out, L_INT8); }
@@ -802,30 +875,54 @@ static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, 
         rows_of(w, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n, x, xs, bias, y, t);
 }
 
-/* x in the lane order (lanes_x) on the stack up to LANES_STACK_BYTES (T * K up to 6K), else from
- * malloc. */
-#define LANES_STACK_BYTES (32 << 10)
+/* x prepared once per call (lanes_x, int8_sums_x) into [T, xds]. */
+typedef void (*prep_fn)(const qweight *w, const float *x, int64_t xs, int64_t t, float *xd, int64_t xds);
 
-/* gemv for a nibble layout: where lanes_fit, x rearranged once (lanes_x) and the rows of lanes
- * (y is NaN if that x cannot be allocated); else the rows of rows. */
+/* The prepared x on the stack up to PREP_STACK_BYTES (T * K up to 6K), else from malloc. */
+#define PREP_STACK_BYTES (32 << 10)
+
+/* gemv of rows against x prepared by prep into rows of xds floats (y is NaN if that x cannot be
+ * allocated). */
+static void gemv_prepared(const qweight *w, rows_fn rows, prep_fn prep, int64_t xds, const float *x, int64_t xs,
+                          const float *bias, float *y, int64_t t, int threads) {
+    const size_t bytes = (size_t)(t * xds) * sizeof(float);
+    _Alignas(64) float stack[PREP_STACK_BYTES / sizeof(float)];
+    float *xd = bytes <= sizeof stack ? stack : malloc(bytes);
+    if (!xd) {
+        for (int64_t i = 0; i < t * w->n; i++) y[i] = NAN;
+        return;
+    }
+    prep(w, x, xs, t, xd, xds);
+    gemv(w, rows, xd, xds, bias, y, t, threads);
+    if (xd != stack) free(xd);
+}
+
+/* lanes_x as a prep_fn: with x's sums per 8 columns where the rows take them (xds > K). */
+static void lanes_prep(const qweight *w, const float *x, int64_t xs, int64_t t, float *xd, int64_t xds) {
+    lanes_x(x, xs, t, w->k, xds > w->k, xd, xds);
+}
+
+/* gemv for a nibble layout: where lanes_fit, x rearranged once (lanes_x) and the rows of lanes;
+ * else the rows of rows. */
 static void gemv_nibbles(const qweight *w, const int layout, rows_fn rows, rows_fn lanes, const float *x, int64_t xs,
                          const float *bias, float *y, int64_t t, int threads) {
     if (!lanes_fit(layout, w->k, w->g) || t <= 0 || w->n <= 0) {
         gemv(w, rows, x, xs, bias, y, t, threads);
         return;
     }
-    const int sums = lanes_sums(layout, w->g);
-    const int64_t xds = w->k + (sums ? w->k / 8 : 0);
-    const size_t bytes = (size_t)(t * xds) * sizeof(float);
-    _Alignas(64) float stack[LANES_STACK_BYTES / sizeof(float)];
-    float *xd = bytes <= sizeof stack ? stack : malloc(bytes);
-    if (!xd) {
-        for (int64_t i = 0; i < t * w->n; i++) y[i] = NAN;
+    const int64_t xds = w->k + (lanes_sums(layout, w->g) ? w->k / 8 : 0);
+    gemv_prepared(w, lanes, lanes_prep, xds, x, xs, bias, y, t, threads);
+}
+
+/* gemv for INT8: AVX-512 where int8_sums_fit, against x with its group sums; else the rows of
+ * rows. */
+static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                      int threads) {
+    if (!int8_sums_fit(w->k, w->g) || t <= 0 || w->n <= 0) {
+        gemv(w, ROWS_OF(int8), x, xs, bias, y, t, threads);
         return;
     }
-    lanes_x(x, xs, t, w->k, sums, xd, xds);
-    gemv(w, lanes, xd, xds, bias, y, t, threads);
-    if (xd != stack) free(xd);
+    gemv_prepared(w, sums512_int8, int8_sums_x, w->k + w->ng, x, xs, bias, y, t, threads);
 }
 
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
@@ -867,7 +964,7 @@ void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *z
 
 #define GEMV_int4(w, x, xs, bias, y, t, threads) \
     gemv_nibbles(w, L_INT4, ROWS_OF(int4), LANES_OF(int4), x, xs, bias, y, t, threads)
-#define GEMV_int8(w, x, xs, bias, y, t, threads) gemv(w, ROWS_OF(int8), x, xs, bias, y, t, threads)
+#define GEMV_int8(w, x, xs, bias, y, t, threads) gemv_int8(w, x, xs, bias, y, t, threads)
 
 INT_ENTRIES(int4, k / 2)
 INT_ENTRIES(int8, k)

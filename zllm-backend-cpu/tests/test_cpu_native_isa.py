@@ -143,6 +143,23 @@ def test_nibble_layouts_in_128_column_chunks_stay_within_the_reference_tolerance
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@settings(max_examples=25, deadline=None)
+@given(group=st.sampled_from([16, 48, 128, None]), t=st.sampled_from([1, 2, 3, 5]), n=st.sampled_from([1, 7, 40]),
+       k16=st.integers(1, 24), zero_point=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_rows_with_the_zero_points_taken_from_x_sums_stay_within_the_reference_tolerance_at_each_level(
+        level, group, t, n, k16, zero_point, seed):
+    # K a multiple of 16: AVX-512 sums unsigned q x and subtracts z times the group's x sum (csrc/quant_gemv.c);
+    # group None: one scale per row (per channel), as compressed-tensors W8A16
+    g = torch.Generator().manual_seed(seed)
+    k = 16 * k16
+    w = random_weight("int8_g", n, k, g, (1, group if group and k % group == 0 else k), zero_point=zero_point)
+    x = torch.randn(t, k, generator=g) + 1.0  # a mean far from 0: z times the x sum is large
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, w, None)
+    assert_close_to_reference(got, x, w, None)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_a_nan_nvfp4_scale_makes_its_row_nan_in_the_chunk_kernels_at_each_level(level):
     g = torch.Generator().manual_seed(5)
     w = random_weight("nvfp4", 3, 256, g)
@@ -154,7 +171,7 @@ def test_a_nan_nvfp4_scale_makes_its_row_nan_in_the_chunk_kernels_at_each_level(
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("fmt", ["int4_g", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int4_g", "int8_g", "mxfp4", "nvfp4"])
 def test_the_chunk_kernels_give_the_same_bits_on_one_thread_and_two_at_each_level(level, fmt):
     g = torch.Generator().manual_seed(11)
     w = random_weight(fmt, 2100, 512, g, (1, 32))  # 2100 x 256 bytes: past the one-thread limit, many items
@@ -173,7 +190,7 @@ def test_the_chunk_kernels_give_the_same_bits_on_one_thread_and_two_at_each_leve
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("case", ["fp8_channel", "fp8_ragged", "int4_g", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["fp8_channel", "fp8_ragged", "int4_g", "int8_g", "int8_sym", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("k_units", [5, 8])  # K 160: 16-column steps; K 256: 128-column chunks (nibbles)
 def test_hf_layouts_give_each_row_the_same_bits_alone_or_in_a_batch_at_each_level(level, case, k_units):
     g = torch.Generator().manual_seed(7)
