@@ -3,12 +3,15 @@ chunked prefill, interleaved sequences, sampling and context limits."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import zllm
 from tests.conftest import CONFIGS, MODEL_DIR, REFERENCE_TEXT, write_config
-from zllm.spec.errors import ContextLengthError, RequestError
+from zllm.engine.engine import on_a_passing_thread
+from zllm.spec.errors import ConfigError, ContextLengthError, RequestError
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +215,17 @@ def test_a_16_bit_kv_cache_stores_rounded_keys_and_keeps_the_greedy_story(tmp_pa
     # keys/values rounded to 11 (f16) or 8 (bf16) significant bits; logits here are of order 10
     atol = {"f16": 2e-2, "bf16": 2e-1}[dtype]
     torch.testing.assert_close(half.prompt_logits(ids), engine.prompt_logits(ids), atol=atol, rtol=0)
+
+
+def test_on_a_passing_thread_builds_on_a_thread_that_has_ended_and_reraises_its_error():
+    # Engine.from_config builds through it so that loading leaves no OpenMP pool on the
+    # caller's thread (libgomp frees a pool when its thread exits).
+    ran_on: list[threading.Thread] = []
+    assert on_a_passing_thread(lambda: ran_on.append(threading.current_thread()) or 7) == 7
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+
+    def fail():
+        raise ConfigError("model.path", "no such directory")
+
+    with pytest.raises(ConfigError, match="model.path: no such directory"):
+        on_a_passing_thread(fail)

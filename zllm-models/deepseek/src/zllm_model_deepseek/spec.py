@@ -34,6 +34,7 @@ from zllm.plugin_api import (
     MlaConfig,
     RopeParams,
     RouterConfig,
+    config_flag,
     is_moe_layer,
     mla_config_from_hf,
     router_config_from_hf,
@@ -140,12 +141,8 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> DeepseekSpec:
         or eps < 0
     ):
         raise CheckpointError(source, f"rms_norm_eps {eps!r} is not a finite number >= 0")
-    flags = {}
-    for key in ("tie_word_embeddings", "attention_bias", "kv_b_split", "experts_stacked"):
-        value = cfg.get(key, False)
-        if not isinstance(value, bool):
-            raise CheckpointError(source, f"{key} {value!r} is not true or false")
-        flags[key] = value
+    flags = {key: config_flag(cfg, key, False, source)
+             for key in ("tie_word_embeddings", "attention_bias", "kv_b_split", "experts_stacked")}
     return DeepseekSpec(
         model_type=model_type,
         vocab_size=positive_int("vocab_size"),

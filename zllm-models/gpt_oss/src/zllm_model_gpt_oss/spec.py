@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from zllm.plugin_api import CheckpointError, RopeParams, rope_params_from_config
+from zllm.plugin_api import CheckpointError, RopeParams, config_flag, rope_params_from_config
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -134,8 +134,8 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> GptOssSpec:
         rms_norm_eps=eps,
         rope=rope,
         context_length=context_length,
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", False, source),
-        attention_bias=_flag(cfg, "attention_bias", True, source),
+        tie_word_embeddings=config_flag(cfg, "tie_word_embeddings", False, source),
+        attention_bias=config_flag(cfg, "attention_bias", True, source),
         layer_windows=_layer_windows(cfg, num_layers, context_length, source),
         num_experts=experts,
         experts_per_tok=per_tok,
@@ -144,17 +144,6 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> GptOssSpec:
         experts_in_rows=cfg.get("quantization_config") is not None,
         source=source,
     )
-
-
-def _flag(cfg: dict[str, Any], key: str, default: bool, source: str) -> bool:
-    """The config's ``key`` (absent: ``default``; null: false, as transformers reads it); a
-    CheckpointError unless true or false (``bool("false")`` is True)."""
-    value = cfg.get(key, default)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise CheckpointError(source, f"{key} {value!r} is not true or false")
-    return value
 
 
 def _layer_windows(cfg: dict[str, Any], num_layers: int, context_length: int, source: str) -> tuple[int | None, ...]:

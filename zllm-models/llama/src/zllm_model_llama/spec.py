@@ -37,6 +37,7 @@ from zllm.plugin_api import (
     CheckpointError,
     RopeParams,
     RouterConfig,
+    config_flag,
     is_moe_layer,
     rope_params_from_config,
     router_config_from_hf,
@@ -150,16 +151,8 @@ class LlamaSpec:
 
 
 def _flag(cfg: dict[str, Any], rule: str | bool, source: str) -> bool:
-    """``rule`` if the architecture fixes it, else the config's ``rule`` key (absent or null:
-    false); a CheckpointError unless true or false (``bool("false")`` is True)."""
-    if isinstance(rule, bool):
-        return rule
-    value = cfg.get(rule)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise CheckpointError(source, f"{rule} {value!r} is not true or false")
-    return value
+    """``rule`` if the architecture fixes it, else the config's ``rule`` key (absent or null: false)."""
+    return rule if isinstance(rule, bool) else config_flag(cfg, rule, False, source)
 
 
 def _layer_windows(cfg: dict[str, Any], rules: ArchRules, num_layers: int, context_length: int,
