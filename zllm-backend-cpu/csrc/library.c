@@ -6,7 +6,7 @@
 
 /* Bumped whenever an entry point of any csrc/ file changes: a build of another source
  * version is then refused as stale instead of called with the wrong arguments. */
-#define ZLLM_NATIVE_ABI 9
+#define ZLLM_NATIVE_ABI 10
 
 int zllm_native_abi(void) { return ZLLM_NATIVE_ABI; }
 

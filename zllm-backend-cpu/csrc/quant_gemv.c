@@ -94,6 +94,7 @@
  */
 #include "common.h"
 #include "isa.h"
+#include "quant_gemv.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -102,17 +103,6 @@
 #define CHUNK_BYTES (64 << 10) /* weight bytes per work item */
 #define PREFETCH_AHEAD 2048    /* bytes: the decode loops retire few bytes per instruction */
 
-/* The operands of one call; fields a layout does not use are 0. */
-typedef struct {
-    const uint8_t *q;      /* quants, row stride row_bytes */
-    const void *scales;    /* f32 (fp8, int) or uint8 (mxfp4, nvfp4) */
-    const uint8_t *zeros;  /* int4_g / int8_g */
-    float global;          /* nvfp4 */
-    int64_t n, k, g;       /* g: columns per scale group (fp8: bk) */
-    int64_t bn;            /* fp8: rows per scale block */
-    int64_t row_bytes;
-    int64_t ng;            /* scale groups per row, ceil(k / g): once per call, not per row */
-} qweight;
 
 /* ---- scalar tables, filled once ---- */
 
@@ -152,8 +142,6 @@ INLINE void fp8x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
 }
 
 #define PREFETCH_ROW(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
-
-enum { L_INT4, L_INT8, L_MXFP4, L_NVFP4, L_FP8 };
 
 /* ---- 16 columns of a row in registers ---- */
 
@@ -853,8 +841,7 @@ static void decode_nvfp4(const qweight *w, int64_t r, float *out) { decode_row(w
 
 /* ---- the thread split and the entry points ---- */
 
-typedef void (*rows_fn)(const qweight *w, int64_t r0, int64_t r1, const float *x, int64_t xs, const float *bias,
-                        float *y, int64_t t);
+typedef qrows_fn rows_fn;
 typedef void (*decode_fn)(const qweight *w, int64_t r, float *out);
 
 /* The row kernel of the ISA level in use (isa.h). */
@@ -875,8 +862,7 @@ static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, 
         rows_of(w, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n, x, xs, bias, y, t);
 }
 
-/* x prepared once per call (lanes_x, int8_sums_x) into [T, xds]. */
-typedef void (*prep_fn)(const qweight *w, const float *x, int64_t xs, int64_t t, float *xd, int64_t xds);
+typedef qprep_fn prep_fn; /* x prepared once per call (lanes_x, int8_sums_x) into [T, xds] */
 
 /* The prepared x on the stack up to PREP_STACK_BYTES (T * K up to 6K), else from malloc. */
 #define PREP_STACK_BYTES (32 << 10)
@@ -902,27 +888,34 @@ static void lanes_prep(const qweight *w, const float *x, int64_t xs, int64_t t, 
     lanes_x(x, xs, t, w->k, xds > w->k, xd, xds);
 }
 
-/* gemv for a nibble layout: where lanes_fit, x rearranged once (lanes_x) and the rows of lanes;
- * else the rows of rows. */
-static void gemv_nibbles(const qweight *w, const int layout, rows_fn rows, rows_fn lanes, const float *x, int64_t xs,
-                         const float *bias, float *y, int64_t t, int threads) {
-    if (!lanes_fit(layout, w->k, w->g) || t <= 0 || w->n <= 0) {
-        gemv(w, rows, x, xs, bias, y, t, threads);
-        return;
+/* The dispatch (quant_gemv.h): nibble layouts where lanes_fit take x rearranged once (lanes_x)
+ * and the rows of lanes; INT8 at AVX-512 where int8_sums_fit x with its group sums; the others
+ * the rows of their layout. */
+qgemv_plan qgemv_plan_of(const qweight *w, int layout) {
+    tables();
+    switch (layout) {
+    case L_INT8:
+        if (int8_sums_fit(w->k, w->g)) return (qgemv_plan){sums512_int8, int8_sums_x, w->k + w->ng};
+        return (qgemv_plan){ROWS_OF(int8), 0, 0};
+    case L_INT4:
+    case L_MXFP4:
+    case L_NVFP4: {
+        const rows_fn rows = layout == L_INT4 ? ROWS_OF(int4) : layout == L_MXFP4 ? ROWS_OF(mxfp4) : ROWS_OF(nvfp4);
+        if (!lanes_fit(layout, w->k, w->g)) return (qgemv_plan){rows, 0, 0};
+        const rows_fn lanes = layout == L_INT4 ? LANES_OF(int4) : layout == L_MXFP4 ? LANES_OF(mxfp4) : LANES_OF(nvfp4);
+        return (qgemv_plan){lanes, lanes_prep, w->k + (lanes_sums(layout, w->g) ? w->k / 8 : 0)};
     }
-    const int64_t xds = w->k + (lanes_sums(layout, w->g) ? w->k / 8 : 0);
-    gemv_prepared(w, lanes, lanes_prep, xds, x, xs, bias, y, t, threads);
+    default:
+        return (qgemv_plan){ROWS_OF(fp8), 0, 0};
+    }
 }
 
-/* gemv for INT8: AVX-512 where int8_sums_fit, against x with its group sums; else the rows of
- * rows. */
-static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
-                      int threads) {
-    if (!int8_sums_fit(w->k, w->g) || t <= 0 || w->n <= 0) {
-        gemv(w, ROWS_OF(int8), x, xs, bias, y, t, threads);
-        return;
-    }
-    gemv_prepared(w, sums512_int8, int8_sums_x, w->k + w->ng, x, xs, bias, y, t, threads);
+/* gemv by the weight's plan (qgemv_plan_of). */
+static void gemv_planned(const qweight *w, int layout, const float *x, int64_t xs, const float *bias, float *y,
+                         int64_t t, int threads) {
+    const qgemv_plan plan = qgemv_plan_of(w, layout);
+    if (plan.prep && t > 0 && w->n > 0) gemv_prepared(w, plan.rows, plan.prep, plan.xds, x, xs, bias, y, t, threads);
+    else gemv(w, plan.rows, x, xs, bias, y, t, threads);
 }
 
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
@@ -941,7 +934,7 @@ static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float
 void zllm_qgemv_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, const float *x, int64_t xs,
                     const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scale, 0, 0.0f, n, k, bk, bn, k, (k + bk - 1) / bk};
-    gemv(&w, ROWS_OF(fp8), x, xs, bias, y, t, threads);
+    gemv_planned(&w, L_FP8, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, int64_t n, int64_t k,
                       int64_t r0, int64_t r1, float *out, int threads) {
@@ -949,12 +942,12 @@ void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t 
     decode(&w, decode_fp8, r0, r1, out, threads);
 }
 
-#define INT_ENTRIES(NAME, ROW_BYTES)                                                                 \
+#define INT_ENTRIES(NAME, LAYOUT, ROW_BYTES)                                                         \
 void zllm_qgemv_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,      \
                        const float *x, int64_t xs, const float *bias, float *y, int64_t t,          \
                        int64_t n, int64_t k, int threads) {                                         \
     const qweight w = {q, scales, zeros, 0.0f, n, k, g, 1, ROW_BYTES, (k + g - 1) / g};             \
-    GEMV_##NAME(&w, x, xs, bias, y, t, threads);                                                     \
+    gemv_planned(&w, LAYOUT, x, xs, bias, y, t, threads);                                          \
 }                                                                                                   \
 void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,    \
                          int64_t n, int64_t k, int64_t r0, int64_t r1, float *out, int threads) {   \
@@ -962,17 +955,13 @@ void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *z
     decode(&w, decode_##NAME, r0, r1, out, threads);                                                \
 }
 
-#define GEMV_int4(w, x, xs, bias, y, t, threads) \
-    gemv_nibbles(w, L_INT4, ROWS_OF(int4), LANES_OF(int4), x, xs, bias, y, t, threads)
-#define GEMV_int8(w, x, xs, bias, y, t, threads) gemv_int8(w, x, xs, bias, y, t, threads)
-
-INT_ENTRIES(int4, k / 2)
-INT_ENTRIES(int8, k)
+INT_ENTRIES(int4, L_INT4, k / 2)
+INT_ENTRIES(int8, L_INT8, k)
 
 void zllm_qgemv_mxfp4(const uint8_t *q, const uint8_t *scales, const float *x, int64_t xs, const float *bias,
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, 0.0f, n, k, 32, 1, k / 2, (k + 31) / 32};
-    gemv_nibbles(&w, L_MXFP4, ROWS_OF(mxfp4), LANES_OF(mxfp4), x, xs, bias, y, t, threads);
+    gemv_planned(&w, L_MXFP4, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int64_t k, int64_t r0, int64_t r1,
                         float *out, int threads) {
@@ -983,7 +972,7 @@ void zllm_qdecode_mxfp4(const uint8_t *q, const uint8_t *scales, int64_t n, int6
 void zllm_qgemv_nvfp4(const uint8_t *q, const uint8_t *scales, float global, const float *x, int64_t xs,
                       const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scales, 0, global, n, k, 16, 1, k / 2, (k + 15) / 16};
-    gemv_nibbles(&w, L_NVFP4, ROWS_OF(nvfp4), LANES_OF(nvfp4), x, xs, bias, y, t, threads);
+    gemv_planned(&w, L_NVFP4, x, xs, bias, y, t, threads);
 }
 void zllm_qdecode_nvfp4(const uint8_t *q, const uint8_t *scales, float global, int64_t n, int64_t k, int64_t r0,
                         int64_t r1, float *out, int threads) {

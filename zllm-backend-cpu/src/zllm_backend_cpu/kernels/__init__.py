@@ -109,7 +109,8 @@ NATIVE_INVARIANT_AS_IS = frozenset({"rms_norm", "add_rms_norm", "rope", "silu_mu
 NATIVE_INVARIANT_KERNELS: list[tuple[str, tuple[str, ...], str]] = [
     ("linear", GEMV_FORMATS, f"{_PKG}.gemv:linear_gemv_invariant"),
     ("linear", QUANT_GEMV_FORMATS, f"{_PKG}.quant_gemv:linear_quant_gemv_invariant"),
-    ("moe", GEMV_FORMATS, f"{_PKG}.moe_gemv:moe_gemv_invariant"),
+    ("moe", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_gemv_invariant"),
+    ("moe_clamped_swiglu", (*GEMV_FORMATS, *QUANT_GEMV_FORMATS), f"{_PKG}.moe_gemv:moe_clamped_swiglu_gemv_invariant"),
 ]
 
 CAPABILITIES: frozenset[Capability] = frozenset(Capability(op, v) for op, variants, _ in KERNELS for v in variants)

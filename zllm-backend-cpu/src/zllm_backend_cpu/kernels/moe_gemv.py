@@ -41,7 +41,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zllm.plugin_api import QuantizedTensor, RouterConfig, SharedExperts, format_of, select_experts
-from zllm_backend_cpu.kernels import GEMV_FORMATS, elementwise, gemv, moe_biased, quant_gemv
+from zllm_backend_cpu.kernels import GEMV_FORMATS, QUANT_GEMV_FORMATS, elementwise, gemv, moe_biased, quant_gemv
 from zllm_backend_cpu.kernels.moe import (
     Linear,
     Weight,
@@ -52,15 +52,21 @@ from zllm_backend_cpu.kernels.moe import (
     torch_linear,
     torch_linear_invariant,
 )
-from zllm_backend_cpu.kernels.native import I64, INT, P, function
+from zllm_backend_cpu.kernels.native import F32, I64, INT, P, function
 
 # tokens per native call: scratch ~ T * (2 k K + 2 k N) f32 values (~14 MiB for the benchmark's
 # Qwen3-MoE layer), and a token's result does not depend on its chunk
 MOE_CHUNK_TOKENS = 256
 
-_FORMAT_NUMBER = {fmt: i for i, fmt in enumerate(GEMV_FORMATS)}  # gemv.h's enum
-# zllm_moe(x, x_row_stride, T, K, ids, weights, k, E, N, desc, Ns, shared_scale | NULL, out, threads)
-_ARGTYPES = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, P, INT)
+# csrc/moe.c's format numbers: gemv.h's enum, then the HF layouts (csrc/moe.c's HF_LAYOUTS)
+_FORMAT_NUMBER = {fmt: i for i, fmt in enumerate((*GEMV_FORMATS, *QUANT_GEMV_FORMATS))}
+# csrc/moe.c's activations
+SILU_MUL, SWIGLU_CLAMPED = 0, 1
+# zllm_moe(x, x_row_stride, T, K, ids, weights, k, E, N, desc, Ns, shared_scale | NULL, act, alpha, limit, out,
+#          threads)
+_ARGTYPES = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, INT, F32, F32, P, INT)
+# a matrix's row of the descriptor (csrc/moe.c's D_* fields)
+_DESC_FIELDS = 14
 
 
 @functools.cache
@@ -100,45 +106,107 @@ _loop_invariant = moe_kernel(
 )
 
 
-def _matrix(stack: Weight) -> tuple[list[int], torch.Tensor]:
-    """``[address, expert stride in bytes, row stride, format number]`` of a ``[E, R, C]`` or
-    ``[R, C]`` weight (row stride in elements, bytes for the block formats) and the tensor
-    holding its bytes (kept alive for the call)."""
-    data = stack.data if isinstance(stack, QuantizedTensor) else stack
-    if data.stride(-1) != 1:
-        data = data.contiguous()
-    expert_stride = data.stride(0) * data.element_size() if data.dim() == 3 else 0
-    return [data.data_ptr(), expert_stride, data.stride(-2), _FORMAT_NUMBER[format_of(stack)]], data
+def _address(t: torch.Tensor | None) -> tuple[int, int]:
+    """``(address, stride of the leading dimension in bytes)`` of a part (0s for None); the
+    stride is that of an expert stack's experts, 0 for a part without one."""
+    if t is None:
+        return 0, 0
+    return t.data_ptr(), t.stride(0) * t.element_size() if t.dim() >= 1 else 0
 
 
-# gate stack -> (the other weights it was described with, the descriptor): a layer's weights
-# are described once, not every step; an entry goes with its gate stack.
+def _matrix(stack: Weight, bias: torch.Tensor | None) -> tuple[list[int], list[torch.Tensor]]:
+    """csrc/moe.c's descriptor row of a ``[E, R, C]`` or ``[R, C]`` weight and its f32 bias
+    (``[E, R]`` / ``[R]``, unit inner stride, or None) and the tensors its addresses point into
+    (copies where a part was not laid out as the kernel reads it)."""
+    fmt = format_of(stack)
+    stacked = len(stack.shape) == 3
+    if isinstance(stack, QuantizedTensor) and fmt in quant_gemv.LAYOUTS:
+        parts = {name: t if t.is_contiguous() else t.contiguous() for name, t in stack.parts.items()}
+        q = parts["qweight"]
+        scales = parts["scale" if fmt == "fp8_e4m3" else "scales"]
+        zeros, glob = parts.get("zeros"), parts.get("global_scale")
+        bn, g = stack.block_shape
+        row = [*(_address(q) if stacked else (q.data_ptr(), 0)), q.stride(-2), _FORMAT_NUMBER[fmt],
+               *(_address(scales) if stacked else (scales.data_ptr(), 0)),
+               *(_address(zeros) if stacked or zeros is None else (zeros.data_ptr(), 0)),
+               *(_address(glob) if stacked or glob is None else (glob.data_ptr(), 0)), g, bn]
+        held = list(parts.values())
+    else:
+        data = stack.data if isinstance(stack, QuantizedTensor) else stack
+        if data.stride(-1) != 1:
+            data = data.contiguous()
+        expert_stride = data.stride(0) * data.element_size() if data.dim() == 3 else 0
+        row = [data.data_ptr(), expert_stride, data.stride(-2), _FORMAT_NUMBER[fmt], 0, 0, 0, 0, 0, 0, 0, 0]
+        held = [data]
+    if bias is None:
+        row += [0, 0]
+    else:
+        assert bias.dtype == torch.float32 and bias.stride(-1) == 1, (bias.dtype, bias.stride())
+        row += [bias.data_ptr(), bias.stride(0) * 4 if bias.dim() == 2 else 0]
+        held.append(bias)
+    return row, held
+
+
+def _own(stack: Weight, held: list[torch.Tensor]) -> bool:
+    """Whether ``held`` (:func:`_matrix`'s tensors of ``stack``, bias excluded) are the stack's own."""
+    own = stack.parts.values() if isinstance(stack, QuantizedTensor) and format_of(stack) in quant_gemv.LAYOUTS else (
+        [stack.data if isinstance(stack, QuantizedTensor) else stack])
+    return all(a is b for a, b in zip(held, own, strict=False))
+
+
+# bias -> (its version, its f32 copy): a bf16 checkpoint's biases are widened once, again only
+# after an in-place write (torch counts those in ``_version``).
+_F32_BIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _f32_bias(bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` as f32 with unit inner stride (itself when it is)."""
+    if bias.dtype == torch.float32 and bias.stride(-1) == 1:
+        return bias
+    hit = _F32_BIASES.get(bias)
+    if hit is not None and hit[0] == bias._version:
+        return hit[1]
+    copy = bias.float().contiguous()
+    _F32_BIASES[bias] = (bias._version, copy)
+    return copy
+
+
+# gate stack -> (the other weights and biases it was described with, their versions, the
+# descriptor, the f32 biases it points into): a layer's weights are described once, not every
+# step; an entry goes with its gate stack.
 _DESCRIPTORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _descriptor(matrices: list[Weight], shared: SharedExperts | None) -> tuple[ctypes.Array, list[torch.Tensor]]:
-    """The kernel's ``desc`` (:func:`_matrix` of each of ``matrices``, up to six rows of four)
-    and the copies it points into (weights without unit inner stride). Remembered per gate
-    stack when no weight needed a copy: the addresses are then the weights' own, valid while
-    they live (a weight's bytes may be written in place, its storage is never swapped)."""
+def _descriptor(matrices: list[Weight], biases: list[torch.Tensor | None],
+                shared: SharedExperts | None) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """The kernel's ``desc`` (:func:`_matrix` of each of ``matrices`` with its bias, up to six
+    rows) and the tensors it points into. Remembered per gate stack when no weight needed a
+    copy: the addresses are then the weights' own, valid while they live (a weight's bytes may
+    be written in place, its storage is never swapped); a bias widened to f32 is remembered with
+    the bias's version, so a write to the bias makes a new descriptor."""
+    others = (*matrices[1:3], shared, *biases)
+    versions = tuple(-1 if b is None else b._version for b in biases)
     hit = _DESCRIPTORS.get(matrices[0])
-    if hit is not None and hit[0] is matrices[1] and hit[1] is matrices[2] and hit[2] is shared:
-        return hit[3], []
-    described = [_matrix(m) for m in matrices]
-    desc = (ctypes.c_int64 * 24)(*(v for d, _ in described for v in d))
-    held = [data for _, data in described]
-    if all(data is (m.data if isinstance(m, QuantizedTensor) else m)
-           for (_, data), m in zip(described, matrices, strict=True)):
-        _DESCRIPTORS[matrices[0]] = (matrices[1], matrices[2], shared, desc)
+    if hit is not None and all(a is b for a, b in zip(hit[0], others, strict=True)) and hit[1] == versions:
+        return hit[2], hit[3]
+    f32 = [None if b is None else _f32_bias(b) for b in biases]
+    described = [_matrix(m, b) for m, b in zip(matrices, f32, strict=True)]
+    desc = (ctypes.c_int64 * (6 * _DESC_FIELDS))(*(v for row, _ in described for v in row))
+    held = [t for _, h in described for t in h]
+    if all(_own(m, h) for m, (_, h) in zip(matrices, described, strict=True)):
+        _DESCRIPTORS[matrices[0]] = (others, versions, desc, [b for b in f32 if b is not None])
     return desc, held
 
 
 def native_formats(gate_exps: Weight, up_exps: Weight, down_exps: Weight, shared: SharedExperts | None) -> bool:
-    """Whether the native kernel has every weight's format (each of the six may differ)."""
+    """Whether the native kernel has every weight's format (each of the six may differ): those of
+    the native GEMVs (:data:`GEMV_FORMATS`, :data:`QUANT_GEMV_FORMATS`), but not an act-order
+    (``perm``) INT stack, whose columns the kernel does not permute."""
     weights = [gate_exps, up_exps, down_exps]
     if shared is not None:
         weights += [shared.gate_proj, shared.up_proj, shared.down_proj]
-    return all(format_of(w) in _FORMAT_NUMBER for w in weights)
+    return all(format_of(w) in _FORMAT_NUMBER and not (isinstance(w, QuantizedTensor) and "perm" in w.parts)
+               for w in weights)
 
 
 def moe_experts(
@@ -150,14 +218,20 @@ def moe_experts(
     down_exps: Weight,
     shared: SharedExperts | None = None,
     shared_scale: torch.Tensor | None = None,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
+    clamped: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum (+ the shared expert) by the native kernel, for a given
     routing: ``x`` f32 ``[T, K]``; ``topk_ids`` int64 ``[T, k]`` (an expert may repeat: each
     slot counts); ``topk_weights`` f32 ``[T, k]``; ``gate_exps``, ``up_exps`` ``[E, N, K]`` and
-    ``down_exps`` ``[E, K, N]`` in a native GEMV format (:data:`GEMV_FORMATS`, each its own);
-    ``shared`` experts in such formats or None; ``shared_scale`` f32 ``[T]`` or ``[T, 1]``
-    multiplying the shared expert's output (Qwen2-MoE's gate), or None for 1 -> f32 ``[T, K]``:
-    ``sum_slot w * down(silu(gate x) * up x)`` per token, ascending expert index.
+    ``down_exps`` ``[E, K, N]`` in a native GEMV format (:data:`GEMV_FORMATS`,
+    :data:`QUANT_GEMV_FORMATS` without ``perm``; each its own); ``shared`` experts in such
+    formats or None; ``shared_scale`` f32 ``[T]`` or ``[T, 1]`` multiplying the shared expert's
+    output (Qwen2-MoE's gate), or None for 1; ``biases`` of gate, up, down (``[E, N]``,
+    ``[E, N]``, ``[E, K]``, any float dtype, added in f32 to the row's product) or None each;
+    ``clamped`` ``(alpha, limit)`` for gpt-oss's clamped SwiGLU, None for SiLU-and-mul -> f32
+    ``[T, K]``: ``sum_slot w * (down(act(gate x + bg, up x + bu)) + bd)`` per token, ascending
+    expert index.
 
     An id outside ``[0, E)`` makes the output NaN (the kernel reads no weight for it).
 
@@ -178,13 +252,14 @@ def moe_experts(
         shared_width = shared.gate_proj.shape[0]
         assert tuple(shared.down_proj.shape) == (hidden, shared_width), (shared.down_proj.shape, shared_width)
         matrices += [shared.gate_proj, shared.up_proj, shared.down_proj]
-    desc, held = _descriptor(matrices, shared)  # held: copies the descriptor points into, alive through the calls
+    desc, held = _descriptor(matrices, [*biases, None, None, None][:len(matrices)], shared)  # alive through the calls
     if x.stride(1) != 1:
         x = x.contiguous()
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     scale = None if shared_scale is None else shared_scale.float().contiguous().view(t)
     out = torch.empty(t, hidden)  # [T, K]
     fn, threads = _native_moe(), torch.get_num_threads()
+    act, (alpha, limit) = (SILU_MUL, (0.0, 0.0)) if clamped is None else (SWIGLU_CLAMPED, clamped)
     # chunk starts as addresses: a view per chunk would cost more than a decode step's call
     x_ptr, ids_ptr, w_ptr, out_ptr = x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr()
     x_row, pair_row = 4 * x.stride(0), top_k * ids.element_size()
@@ -192,7 +267,7 @@ def moe_experts(
         rows = min(MOE_CHUNK_TOKENS, t - start)
         fn(x_ptr + start * x_row, x.stride(0), rows, hidden, ids_ptr + start * pair_row, w_ptr + start * 4 * top_k,
            top_k, n_experts, width, desc, shared_width, None if scale is None else scale.data_ptr() + 4 * start,
-           out_ptr + start * 4 * hidden, threads)
+           act, alpha, limit, out_ptr + start * 4 * hidden, threads)
     return out
 
 
@@ -240,9 +315,32 @@ def moe_gemv_invariant(x: torch.Tensor, router_logits: torch.Tensor, router: Rou
 def moe_clamped_swiglu_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_exps: Weight,
                             up_exps: Weight, down_exps: Weight, gate_bias: torch.Tensor, up_bias: torch.Tensor,
                             down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """:func:`~zllm_backend_cpu.kernels.moe_biased.moe_clamped_swiglu` with each bucket of up to 16
-    rows through the native GEMVs (one read of the expert's weights; the HF checkpoints' formats,
-    MXFP4 experts among them, through :mod:`.quant_gemv`), larger ones and the formats no GEMV has
-    through the torch kernels; arguments as it."""
-    return moe_biased.run_experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps),
-                                  (gate_bias, up_bias, down_bias), alpha, limit, _linear, moe_biased.swiglu_clamped)
+    """:func:`~zllm_backend_cpu.kernels.moe_biased.moe_clamped_swiglu` by the native kernel
+    (:func:`moe_experts` with the biases and the clamped SwiGLU: one call per layer) where it
+    has the stacks' formats; else (a format no native GEMV has, an act-order INT stack) the
+    per-expert loop of :mod:`.moe_biased` over the native GEMVs and :mod:`.quant_gemv`, the torch
+    kernels for the rest; arguments as it. In the native kernel an expert id outside ``[0, E)``
+    makes the output NaN (the reference raises; the loop raises IndexError)."""
+    if not native_formats(gate_exps, up_exps, down_exps, None):
+        return moe_biased.run_experts(x, topk_ids, topk_weights, (gate_exps, up_exps, down_exps),
+                                      (gate_bias, up_bias, down_bias), alpha, limit, _linear,
+                                      moe_biased.swiglu_clamped)
+    n_experts, width, hidden = gate_exps.shape
+    assert tuple(gate_bias.shape) == tuple(up_bias.shape) == (n_experts, width), (gate_bias.shape, up_bias.shape)
+    assert tuple(down_bias.shape) == (n_experts, hidden), down_bias.shape
+    return moe_experts(x, topk_ids, topk_weights, gate_exps, up_exps, down_exps,
+                       biases=(gate_bias, up_bias, down_bias), clamped=(alpha, limit))
+
+
+def moe_clamped_swiglu_gemv_invariant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                                      gate_exps: Weight, up_exps: Weight, down_exps: Weight, gate_bias: torch.Tensor,
+                                      up_bias: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                                      limit: float) -> torch.Tensor:
+    """Batch-invariant :func:`moe_clamped_swiglu_gemv`: the native kernel (batch-invariant itself);
+    stacks it does not take go through
+    :func:`~zllm_backend_cpu.kernels.moe_biased.moe_clamped_swiglu_invariant`; arguments as it."""
+    if not native_formats(gate_exps, up_exps, down_exps, None):
+        return moe_biased.moe_clamped_swiglu_invariant(x, topk_ids, topk_weights, gate_exps, up_exps, down_exps,
+                                                       gate_bias, up_bias, down_bias, alpha, limit)
+    return moe_clamped_swiglu_gemv(x, topk_ids, topk_weights, gate_exps, up_exps, down_exps, gate_bias, up_bias,
+                                   down_bias, alpha, limit)

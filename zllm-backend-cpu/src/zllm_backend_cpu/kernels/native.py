@@ -38,7 +38,7 @@ from pathlib import Path
 import torch  # noqa: F401  (imported first; see the module doc)
 
 LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_native.so"
-ABI_VERSION = 9  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
+ABI_VERSION = 10  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
 ISA_SETTING = "ZLLM_NATIVE_ISA"
 #: ISA levels of the row kernels, in the order of csrc/isa.h's enum (its index is the C level).
 ISA_LEVELS = ("avx2", "avx512")
