@@ -36,8 +36,9 @@ from test_cpu_gemv import make_weight  # noqa: E402
 from test_cpu_quant_gemv import CASES, assert_close_to_reference, make_case, random_weight  # noqa: E402
 
 from zllm.conformance.cases import make_expert_stack  # noqa: E402
+from zllm.domain.moe_biased import moe_clamped_swiglu  # noqa: E402
 from zllm_backend_cpu.kernels import gemv, quant_gemv  # noqa: E402
-from zllm_backend_cpu.kernels.moe_gemv import moe_experts  # noqa: E402
+from zllm_backend_cpu.kernels.moe_gemv import moe_clamped_swiglu_gemv, moe_experts  # noqa: E402
 
 T = TypeVar("T")
 # the GGUF block formats with AVX-512 row kernels (csrc/gemv_avx512.c; the k-quants have none)
@@ -247,3 +248,40 @@ def test_an_invalid_setting_leaves_the_library_unavailable_saying_why():
     reason = "native kernels unavailable: ZLLM_NATIVE_ISA='bogus' is not one of auto, avx2"
     assert reason in proc.stdout  # the torch kernels' registry note
     assert proc.returncode != 0 and reason in proc.stderr  # isa() raises with it
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int4_g", "int8_g", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("hidden", [128, 160])  # nibble rows in 128-column chunks, and not
+def test_the_clamped_swiglu_moe_of_hf_layouts_stays_within_the_reference_tolerance_at_each_level(level, fmt, hidden):
+    g = torch.Generator().manual_seed(6)
+    experts, width, top_k, t = 5, 96, 2, 7
+    gate, up = (make_expert_stack(g, fmt, experts, width, hidden) for _ in range(2))
+    down = make_expert_stack(g, fmt, experts, hidden, width)
+    biases = (torch.randn(experts, width, generator=g), torch.randn(experts, width, generator=g),
+              torch.randn(experts, hidden, generator=g))
+    x = torch.randn(t, hidden, generator=g) * 4
+    ids = torch.randint(0, experts, (t, top_k), generator=g)
+    weights = torch.rand(t, top_k, generator=g)
+    with at_level(level):
+        got = moe_clamped_swiglu_gemv(x, ids, weights, gate, up, down, *biases, 1.702, 7.0)
+        alone = moe_clamped_swiglu_gemv(x[3:4], ids[3:4], weights[3:4], gate, up, down, *biases, 1.702, 7.0)
+    expected = moe_clamped_swiglu(x, ids, weights, gate, up, down, *biases, 1.702, 7.0)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(alone[0], got[3])
+
+
+@needs_avx512
+def test_the_clamped_swiglu_moe_of_block_formats_gives_the_same_bits_with_avx2_and_avx512():
+    g = torch.Generator().manual_seed(8)
+    experts, width, hidden, top_k, t = 6, 64, 96, 3, 13
+    gate = make_expert_stack(g, "q8_0", experts, width, hidden)
+    up = make_expert_stack(g, "q4_0", experts, width, hidden)
+    down = make_expert_stack(g, "q5_1", experts, hidden, width)
+    biases = (torch.randn(experts, width, generator=g), torch.randn(experts, width, generator=g),
+              torch.randn(experts, hidden, generator=g))
+    x = torch.randn(t, hidden, generator=g) * 4
+    ids = torch.randint(0, experts, (t, top_k), generator=g)
+    weights = torch.rand(t, top_k, generator=g)
+    avx2, avx512 = both(lambda: moe_clamped_swiglu_gemv(x, ids, weights, gate, up, down, *biases, 1.702, 7.0))
+    assert avx2.abs().sum() > 0 and torch.equal(avx2, avx512)
