@@ -37,11 +37,12 @@ import torch
 
 from zllm_backend_cpu.kernels.native import LIBRARY_PATH
 
-P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 HIDDEN = 1024
 SHAPES = {"qwen3-moe": (64, 384, 8, 0), "deepseek-v2": (32, 256, 6, 512)}  # experts, width, top-k, shared width
 LAYERS = 4
 Q8_0 = 3  # gemv.h's format number
+DESC_FIELDS = 14  # csrc/moe.c's descriptor row of a matrix (Q8_0: the first four, the rest 0)
 
 
 def q8_0(rows: int, k: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ def q8_0(rows: int, k: int) -> torch.Tensor:
 def load(path: str) -> ctypes.CDLL:
     """A build of the native library, bound privately (each copy its own symbols)."""
     lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-    lib.zllm_moe.argtypes = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, P, INT)
+    lib.zllm_moe.argtypes = (P, I64, I64, I64, P, P, I64, I64, I64, P, I64, P, INT, F32, F32, P, INT)
     lib.zllm_gemv_q8_0.argtypes = (P, I64, P, I64, P, P, I64, I64, I64, INT)
     return lib
 
@@ -73,8 +74,9 @@ class Case:
                     (q8_0(e * HIDDEN, n), HIDDEN * row_n, row_n)]
             shared = [(q8_0(sw, HIDDEN), 0, row_k), (q8_0(sw, HIDDEN), 0, row_k),
                       (q8_0(HIDDEN, sw), 0, sw // 32 * 34)] if sw else []
-            desc = [v for m, es, rs in mats + shared for v in (m.data_ptr(), es, rs, Q8_0)]
-            self.layers.append((mats + shared, (ctypes.c_int64 * 24)(*desc, *[0] * (24 - len(desc)))))
+            desc = [v for m, es, rs in mats + shared for v in (m.data_ptr(), es, rs, Q8_0, *[0] * (DESC_FIELDS - 4))]
+            desc += [0] * (6 * DESC_FIELDS - len(desc))
+            self.layers.append((mats + shared, (ctypes.c_int64 * len(desc))(*desc)))
         self.routings = [torch.stack([torch.randperm(e)[:self.top_k] for _ in range(tokens)]) for _ in range(calls)]
         expert_bytes = n * row_k * 2 + HIDDEN * row_n
         shared_bytes = sw * row_k * 2 + HIDDEN * (sw // 32 * 34)
@@ -91,7 +93,8 @@ class Case:
         ids = self.routings[i % len(self.routings)]
         desc = self.layers[i % LAYERS][1]
         lib.zllm_moe(self.x.data_ptr(), HIDDEN, self.tokens, HIDDEN, ids.data_ptr(), self.weights.data_ptr(),
-                     self.top_k, self.experts, self.width, desc, self.shared_width, None, self.out.data_ptr(), threads)
+                     self.top_k, self.experts, self.width, desc, self.shared_width, None, 0, 0.0, 0.0,  # SiLU-and-mul
+                     self.out.data_ptr(), threads)
 
     def gemv(self, lib: ctypes.CDLL, i: int, threads: int) -> None:
         w = self.gemv_weights[i % len(self.gemv_weights)]

@@ -1,7 +1,8 @@
 """The ISA levels of the native row kernels (``csrc/isa.h``): the GGUF block formats give the same
-bits with the AVX2 and the AVX-512 kernels (GEMV and the MoE kernel); the HF layouts stay within
-the reference's tolerance and batch-invariant at each level; ``ZLLM_NATIVE_ISA`` parsing, forcing
-AVX2 in a fresh process, and the registry note that ``zllm run --explain`` shows."""
+bits with the AVX2 and the AVX-512 kernels (GEMV and the MoE kernel, with SiLU-and-mul or the
+clamped SwiGLU); the HF layouts stay within the reference's tolerance and batch-invariant at
+each level (GEMV and the clamped-SwiGLU MoE); ``ZLLM_NATIVE_ISA`` parsing, forcing AVX2 in a
+fresh process, and the registry note that ``zllm run --explain`` shows."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""``moe`` through the native MoE kernel (:mod:`.native`, ``csrc/moe.c``): after the core's f32
-router, one C call per layer runs every selected expert's gate/up GEMV, SiLU-and-mul and down
-GEMV, the weighted sum and the shared expert, in the weights' stored formats. gpt-oss's
-``moe_clamped_swiglu`` runs :mod:`.moe_biased`'s algorithm with its experts' rows through the
-native GEMVs.
+"""``moe`` and gpt-oss's ``moe_clamped_swiglu`` through the native MoE kernel (:mod:`.native`,
+``csrc/moe.c``): after the core's f32 router, one C call per layer runs every selected expert's
+gate/up GEMV (+ bias), the activation (SiLU-and-mul, or the clamped SwiGLU of
+:mod:`.moe_biased`), the down GEMV (+ bias), the weighted sum and the shared expert, in the
+weights' stored formats.
 
 Dimension legend as in :mod:`.moe`.
 
@@ -10,25 +10,30 @@ A decode step routes each token to ``k`` experts; a per-expert loop in Python co
 dispatches an expert (128-156 experts a step for the benchmark's models), more than the
 expert GEMVs themselves. The native call buckets the (token, slot) pairs by expert, streams
 each selected expert's rows once for all the tokens that chose it (the native GEMV's row
-kernels, ``csrc/gemv.c``) and sums each token's rows in ascending expert index, the order of
-the reference. Prefill takes the same kernel, :data:`MOE_CHUNK_TOKENS` tokens a call (which
-bounds its scratch): its buckets hold a few to a few dozen rows each, where the row kernels
-(weights widened once per pair of rows, in L1) beat a torch GEMM per expert with its tile
-decode and dispatches (measured 4-20x on the benchmark's Qwen3-MoE layer at 32-128 tokens, 2
-threads, on a busy machine). Every GGUF format runs natively, the k-quants included
-(``csrc/kquant_gemv.c``: decode of a Qwen3-MoE-shaped Q4_K layer at T=1 went from the
-per-expert loop's torch tile decode to one native call, see ``docs/performance.md``); weights in
-a format the native GEMV does not have (the HF checkpoints' formats of :mod:`.quant_gemv`) take
-:mod:`.moe`'s per-expert loop over their ``linear`` kernels. Registered only when the native
-library loads.
+kernels: ``csrc/gemv.c`` for the GGUF and dense formats, ``csrc/quant_gemv.c``'s dispatch
+through ``csrc/quant_gemv.h`` for the HF kernel layouts) and sums each token's rows in
+ascending expert index, the order of the reference. Prefill takes the same kernel,
+:data:`MOE_CHUNK_TOKENS` tokens a call (which bounds its scratch): its buckets hold a few to a
+few dozen rows each, where the row kernels (weights widened once per pair of rows, in L1) beat
+a torch GEMM per expert with its tile decode and dispatches (measured 4-20x on the benchmark's
+Qwen3-MoE layer at 32-128 tokens, 2 threads, on a busy machine; 1.5x for gpt-oss's MXFP4 layer
+at 128 tokens against :mod:`.quant_gemv`'s tile decode + ``torch.mm`` per expert, see
+``docs/performance.md``). Every GGUF format runs natively, the k-quants included
+(``csrc/kquant_gemv.c``), and every HF layout of :data:`QUANT_GEMV_FORMATS` (gpt-oss's MXFP4
+experts, from the HF checkpoint or repacked from GGUF, among them). The per-expert loops stay
+only where the kernel cannot take a weight: a format no native GEMV has, and an act-order INT
+stack (``perm``: its columns would need permuting per expert) — :mod:`.moe`'s loop for ``moe``,
+:mod:`.moe_biased`'s for ``moe_clamped_swiglu``. Registered only when the native library loads.
 
-Numerics: those of ``csrc/gemv.c`` for each product (dense formats: f32 products, ~1e-6 from
-the reference; block formats, k-quants included: ``x`` and the expert's hidden row ``h``
-quantized to int16 per block of 32, ~1e-5 relative); every value is reduced in a fixed order
-that depends only on the shapes and formats, and each token's activations are quantized from
-its own rows, so an output row is bit-identical whatever else is in the call and whatever the
-thread count:
-:func:`moe_gemv_invariant` runs the native kernel for every ``T``.
+Numerics: those of ``csrc/gemv.c`` / ``csrc/quant_gemv.c`` for each product (dense formats and
+the HF layouts: f32 activations, ~1e-6 from the reference; GGUF block formats, k-quants
+included: ``x`` and the expert's hidden row ``h`` quantized to int16 per block of 32, ~1e-5
+relative), a bias added to the row's sum, the activation in fixed 8-lane steps (common.h's
+``exp``, 1 ulp; the reference's order of operations); every value is reduced in a fixed order
+that depends only on the shapes and formats, and each token's activations are quantized (or
+prepared) from its own rows, so an output row is bit-identical whatever else is in the call and
+whatever the thread count: :func:`moe_gemv_invariant` and
+:func:`moe_clamped_swiglu_gemv_invariant` run the native kernel for every ``T``.
 """
 
 from __future__ import annotations
@@ -187,7 +192,8 @@ def _descriptor(matrices: list[Weight], biases: list[torch.Tensor | None],
     others = (*matrices[1:3], shared, *biases)
     versions = tuple(-1 if b is None else b._version for b in biases)
     hit = _DESCRIPTORS.get(matrices[0])
-    if hit is not None and all(a is b for a, b in zip(hit[0], others, strict=True)) and hit[1] == versions:
+    if (hit is not None and len(hit[0]) == len(others) and all(a is b for a, b in zip(hit[0], others, strict=True))
+            and hit[1] == versions):
         return hit[2], hit[3]
     f32 = [None if b is None else _f32_bias(b) for b in biases]
     described = [_matrix(m, b) for m, b in zip(matrices, f32, strict=True)]
