@@ -4,7 +4,6 @@ true, sizes that are not positive integers refused with the key named."""
 from __future__ import annotations
 
 import pytest
-
 from hypothesis import given
 from hypothesis import strategies as st
 
