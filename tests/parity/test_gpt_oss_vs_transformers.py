@@ -33,6 +33,8 @@ from tests.gpt_oss_checkpoint import save_bf16_copy, save_gpt_oss, save_mxfp4_co
 from tests.parity.hf_models import PROMPT, hf_greedy, hf_logits
 from zllm.plugin_api import QuantizedTensor
 from zllm.spec.errors import ZllmError
+from zllm_backend_cpu.kernels import moe_gemv
+from zllm_backend_cpu.kernels.native import unavailable_reason
 
 CONVERTER = REPO / "tests" / "llama_cpp_converter" / "convert_hf_to_gguf.py"
 
@@ -79,10 +81,22 @@ def test_mxfp4_experts_stay_mxfp4_and_match_transformers_dequantizing_them(tmp_p
     for stack, shape in ((experts.gate, (4, 32, 64)), (experts.up, (4, 32, 64)), (experts.down, (4, 64, 32))):
         assert isinstance(stack, QuantizedTensor) and stack.fmt == "mxfp4" and stack.shape == shape
     assert "moe_clamped_swiglu[mxfp4]" in {e.capability for e in engine.loaded.ops.explain()}
+    _assert_experts_take_one_native_call(engine)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert not hasattr(oracle.model.layers[0].mlp.experts, "gate_up_proj_blocks")  # it dequantized them
     _check_logits(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT))
     assert _generate(engine) == hf_greedy(oracle)
+
+
+def _assert_experts_take_one_native_call(engine) -> None:
+    """The MXFP4 experts bound to the native MoE kernel (one call per layer), when the native
+    library loads, and every layer's stacks in formats it takes (no per-expert loop)."""
+    if unavailable_reason() is not None:
+        return
+    kernels = {e.capability: e.kernel for e in engine.loaded.ops.explain()}
+    assert kernels["moe_clamped_swiglu[mxfp4]"].endswith("moe_clamped_swiglu_gemv"), kernels
+    for layer in engine.loaded.model.layers:
+        assert moe_gemv.native_formats(layer.experts.gate, layer.experts.up, layer.experts.down, None)
 
 
 def _convert(path, out):
@@ -149,6 +163,7 @@ def test_gguf_with_ggml_mxfp4_experts_matches_transformers_dequantizing_the_chec
     engine = zllm.Engine.from_config(write_config(tmp_path, _convert(path, tmp_path / "gpt-oss-mxfp4.gguf")))
     gate = engine.loaded.model.layers[0].experts.gate
     assert isinstance(gate, QuantizedTensor) and gate.fmt == "mxfp4" and gate.shape == (4, 32, 64)
+    _assert_experts_take_one_native_call(engine)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     _check_logits(engine.prompt_logits(PROMPT), hf_logits(oracle, PROMPT))
     assert _generate(engine) == hf_greedy(oracle)

@@ -4,9 +4,9 @@
  * Q5_0 / Q5_1 and the k-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K; quant_gemv.h: the HF kernel
  * layouts FP8 E4M3, INT4 / INT8 in groups, MXFP4 (gpt-oss's experts, HF or GGUF) and NVFP4)
  * and optional f32 biases per expert and matrix. The activation is SiLU-and-mul
- * (silu(g) * u) or gpt-oss's clamped SwiGLU ((clamp(u, -limit, limit) + 1) * c * sigmoid(alpha
- * c), c = min(g, limit); zllm.domain.moe_biased:moe_clamped_swiglu). The routing (which experts, which
- * weights) comes from the caller: the core's f32 router decides it, so every backend agrees on
+ * (silu(g) * u) or gpt-oss's clamped SwiGLU ((clamp(u, -limit, limit) + 1) * c *
+ * sigmoid(alpha c), c = min(g, limit); zllm.domain.moe_biased:moe_clamped_swiglu). The routing
+ * (which experts, which weights) comes from the caller: the core's f32 router decides it, so every backend agrees on
  * the experts. As llama.cpp's mul_mat_id (ggml-cpu.c): the (token, slot) pairs are bucketed by
  * expert, and only the selected experts' rows are read, each once per call for all the tokens
  * that selected it.
@@ -40,8 +40,8 @@
  *      an element's value does not depend on where a tile boundary falls;
  *   C. h quantized (block-format down matrices) or prepared (HF layouts whose rows take a
  *      prepared x) per pair, by the first D item of the expert;
- *   D. per (expert, tile of down rows), on the team: y = down . h (+ bias) for the expert's pairs, once
- *      that expert's B items are done (no barrier between B and D);
+ *   D. per (expert, tile of down rows), on the team: y = down . h (+ bias) for the expert's
+ *      pairs, once that expert's B items are done (no barrier between B and D);
  *   E. per token (one thread): out = w_0 y_0 + w_1 y_1 + ... over its pairs in ascending
  *      expert index (ties in slot order), each product rounded before its add (the
  *      reference's order: the weighted rows, then one add per slot), then + scale * the
@@ -69,8 +69,8 @@
  *
  * Scratch: one block per call from the calling thread's arena (kept up to ARENA_KEEP_BYTES).
  *
- * Checks: an expert id outside [0, E), or scratch that cannot be allocated, makes the whole
- * output NaN instead of a read outside the weights.
+ * Checks: an expert id outside [0, E), a format number outside the table, or scratch that
+ * cannot be allocated, makes the whole output NaN instead of a read outside the weights.
  */
 #define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include "common.h"
@@ -116,7 +116,7 @@ static int hf_layout(int format) { return format >= GEMV_NFORMATS ? HF_LAYOUTS[f
 /* Whether a format takes x quantized to int16 per block of 32 (gemv.h's block formats). */
 static int takes_xq(int format) { return format < GEMV_NFORMATS && gemv_is_block(format); }
 
-/* Matrix m of desc (rows x cols) as a qweight of expert e (HF layouts). */
+/* Expert e of the matrix whose desc row is d ([rows, cols] an expert, an HF layout) as a qweight. */
 static qweight hf_weight(const int64_t *d, int64_t e, int64_t rows, int64_t cols) {
     const int64_t g = d[D_GROUP] > 0 ? d[D_GROUP] : 1;
     const float *global = (const float *)(uintptr_t)(d[D_GLOBAL] ? d[D_GLOBAL] + e * d[D_GLOBAL_STRIDE] : 0);
@@ -377,7 +377,7 @@ void zllm_moe(const float *x, int64_t xs, int64_t t, int64_t k, const int64_t *i
     }
     /* up's x prepared as gate's (the same plans): one buffer */
     const int up_as_gate = plan[UP].prep == plan[GATE].prep && plan[UP].xds == plan[GATE].xds &&
-                           (!shared || (plan[3 + UP].prep == plan[3 + GATE].prep && plan[3 + UP].xds == plan[3 + GATE].xds));
+                           plan[3 + UP].prep == plan[3 + GATE].prep && plan[3 + UP].xds == plan[3 + GATE].xds;
     const int64_t htot = pairs * width + (shared ? t * shared_width : 0);
     /* prepared h (HF down matrices whose rows take it): each pair's row of its plan's xds floats */
     const int64_t hd_floats = pairs * (plan[DOWN].prep ? plan[DOWN].xds : 0) +
