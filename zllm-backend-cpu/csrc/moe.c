@@ -219,19 +219,30 @@ static void swiglu_clamped_n(float *g, const float *u, int64_t n, float alpha, f
     }
 }
 
-/* Rows [r0, r1) of matrix m of job jb for its pairs: x [np, cols] (row stride xs; for gemv.h's
- * block formats xq / xsc instead) -> y [np, rows] (+ bias), by the matrix's row kernel. */
-static void job_rows(const job *jb, int m, int64_t r0, int64_t r1, const float *x, int64_t xs, const int16_t *xq,
-                     const float *xsc, float *y, int64_t rows, int64_t cols) {
-    const int64_t np = jb->p1 - jb->p0;
-    if (hf_layout(jb->fmt[m]) >= 0) {
-        jb->plan[m].rows(&jb->qw[m], r0, r1, x, xs, jb->bias[m], y, np);
-        return;
-    }
-    const int block = takes_xq(jb->fmt[m]);
+/* Matrix m of job jb bound to its operands for the job's pairs: x [np, cols] (row stride xs;
+ * for gemv.h's block formats xq / xsc instead) -> y [np, rows] (+ bias). Set up once per work
+ * item; mat_rows then runs a range of rows by the matrix's row kernel. */
+typedef struct {
+    const job *jb;
+    int m;
+    gemv_args a; /* gemv.h's formats */
+    rows_fn rows;
+    const float *x; /* the HF layouts */
+    int64_t xs;
+    float *y;
+} mat_call;
+
+static mat_call bind_mat(const job *jb, int m, const float *x, int64_t xs, const int16_t *xq, const float *xsc,
+                         float *y, int64_t rows, int64_t cols) {
+    const int block = takes_xq(jb->fmt[m]), hf = hf_layout(jb->fmt[m]) >= 0;
     const gemv_args a = {jb->w[m], jb->ws[m], block ? 0 : x, xs, block ? (int16_t *)xq : 0, block ? (float *)xsc : 0,
-                         jb->bias[m], y, np, rows, cols};
-    gemv_rows(jb->fmt[m])(&a, r0, r1);
+                         jb->bias[m], y, jb->p1 - jb->p0, rows, cols};
+    return (mat_call){jb, m, a, hf ? 0 : gemv_rows(jb->fmt[m]), x, xs, y};
+}
+
+INLINE void mat_rows(const mat_call *mc, int64_t r0, int64_t r1) {
+    if (mc->rows) mc->rows(&mc->a, r0, r1);
+    else mc->jb->plan[mc->m].rows(&mc->jb->qw[mc->m], r0, r1, mc->x, mc->xs, mc->jb->bias[mc->m], mc->y, mc->a.t);
 }
 
 /* Step B, one item: gate and up rows [r0, r1) of job j for its pairs, then the activation. */
@@ -250,10 +261,12 @@ static void item_gate_up(const moe_ctx *c, int64_t item) {
     const float *xsc = c->xsc ? c->xsc + jb->p0 * (k / 32) : 0;
     /* gate and up a few rows at a time: two streams advancing together, each prefetched ahead
      * by the row kernel, instead of one cold start in the middle of the item */
+    const mat_call gate = bind_mat(jb, GATE, x[GATE], xs[GATE], xq, xsc, c->g + jb->hoff, jb->width, k);
+    const mat_call up = bind_mat(jb, UP, x[UP], xs[UP], xq, xsc, c->u + jb->hoff, jb->width, k);
     for (int64_t r = r0; r < r1; r += GATE_UP_ROWS) {
         const int64_t e = r + GATE_UP_ROWS < r1 ? r + GATE_UP_ROWS : r1;
-        job_rows(jb, GATE, r, e, x[GATE], xs[GATE], xq, xsc, c->g + jb->hoff, jb->width, k);
-        job_rows(jb, UP, r, e, x[UP], xs[UP], xq, xsc, c->u + jb->hoff, jb->width, k);
+        mat_rows(&gate, r, e);
+        mat_rows(&up, r, e);
     }
     for (int64_t p = 0; p < np; p++) {
         float *g = c->g + jb->hoff + p * jb->width + r0;
@@ -287,8 +300,9 @@ static void item_down(const moe_ctx *c, int64_t item) {
             WAIT_UNTIL(__atomic_load_n(&c->h_state[j], __ATOMIC_ACQUIRE) == 2);
         }
     }
-    job_rows(jb, DOWN, r0, r1, prepared ? c->hd + jb->hdoff : c->g + jb->hoff, xds, block ? c->hq + jb->hoff : 0,
-             block ? c->hsc + jb->hsoff : 0, c->yd + jb->p0 * k, k, n);
+    const mat_call down = bind_mat(jb, DOWN, prepared ? c->hd + jb->hdoff : c->g + jb->hoff, xds,
+                                   block ? c->hq + jb->hoff : 0, block ? c->hsc + jb->hsoff : 0, c->yd + jb->p0 * k, k, n);
+    mat_rows(&down, r0, r1);
 }
 
 /* Items [first, first + n) over the team: region i = items [i * per, (i + 1) * per), taken by
