@@ -20,7 +20,10 @@ the library selects when it is loaded where the CPU has them. ``ZLLM_NATIVE_ISA=
 here, once, when the library is loaded) forces the AVX2 kernels; ``auto`` (or unset) takes the
 best the CPU has. :func:`isa_description` says which runs and why (the registry note of those
 kernels, so ``zllm run --explain`` shows it). The block formats give the same bits at both
-levels; the HF layouts sum in another fixed order (``csrc/quant_gemv.c``).
+levels; the HF layouts sum in another fixed order (``csrc/quant_gemv.c``). At the AVX-512 level
+the FP8 rows take BF16 dot products of exact bf16 pieces of x where the CPU also has AVX512_BF16
+and AVX512_VBMI (``csrc/quant_gemv_bf16.c``; :func:`select_fp8_bf16` turns them off for
+comparisons).
 
 torch is imported before the library is loaded: the library needs ``libgomp.so.1``, and the
 dynamic loader then binds it to the copy torch loaded, so torch's ops and the native kernels
