@@ -124,14 +124,14 @@ INLINE AVX512_BF16 __mmask16 tail16(int64_t c, int64_t k) {
  * exponent s (x 2^s = hi + mid + lo); 0 where x is out of range (file comment), else 1. */
 static AVX512_BF16 int fp8_bf16_pieces(const float *x, int64_t k, uint16_t *xp, int *s) {
     __m512 vmax = _mm512_setzero_ps(), vmin = _mm512_set1_ps(INFINITY);
-    __mmask16 odd = 0;
+    __mmask16 unusable = 0;
     for (int64_t c = 0; c < k; c += 16) {
         const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(tail16(c, k), x + c));
-        odd |= _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x20 | 0x80); /* NaN, infinity, subnormal */
+        unusable |= _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x20 | 0x80); /* NaN, infinity, subnormal */
         vmax = _mm512_max_ps(vmax, v);
         vmin = _mm512_mask_min_ps(vmin, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_OQ), vmin, v);
     }
-    if (odd) return 0;
+    if (unusable) return 0;
     const float mx = _mm512_reduce_max_ps(vmax), mn = _mm512_reduce_min_ps(vmin);
     int e = 0, emin = 0;
     if (mx > 0.0f) {
