@@ -123,14 +123,17 @@ def measure(layouts: list[str], layers: int, repeats: int, prefill: int,
 
     times: dict[tuple[str | None, str], list[float]] = {key: [] for key in keys}
     ptimes: dict[tuple[str | None, str], list[float]] = {key: [] for key in keys}
-    for level, fmt in keys:  # warm-up
-        timed(built[fmt][0], xs, level)
-    for _ in range(repeats):
-        for level, fmt in keys:
-            times[level, fmt].append(timed(built[fmt][0], xs, level))
-    for _ in range(3 if prefill else 0):
-        for level, fmt in keys:
-            ptimes[level, fmt].append(timed(built[fmt][0][: len(shapes)], xp, level) * layers)
+    try:
+        for level, fmt in keys:  # warm-up
+            timed(built[fmt][0], xs, level)
+        for _ in range(repeats):
+            for level, fmt in keys:
+                times[level, fmt].append(timed(built[fmt][0], xs, level))
+        for _ in range(3 if prefill else 0):
+            for level, fmt in keys:
+                ptimes[level, fmt].append(timed(built[fmt][0][: len(shapes)], xp, level) * layers)
+    finally:
+        select_fp8_bf16(True)  # allowed, as when the library loads
     limit = {size: max(gb_s, read_gb_s(size)) for size, gb_s in limit.items()}
     rows = {}
     weights_per_token = layers * sum(n * k for n, k in shapes)
