@@ -16,7 +16,9 @@
  * F16C conversion, FMA). The pieces are 6 bytes a column against x's 4, so one row at a time
  * the loads bound both kernels alike (7 loads per 64 weights here, 8 there: measured no
  * faster); a single token's pieces are therefore loaded once for ROWS_ONE rows (3 loads per
- * 64 weights and row), a pair of tokens' once for ROWS_PAIR rows. The shorter decode (the byte
+ * 64 weights and row), a pair of tokens' once for ROWS_PAIR rows. Measured per call, one
+ * thread, against the f32 rows (docs/performance.md): one token 1.28-1.36x, token pairs
+ * 0.89-1.04x (the f32 rows already share each decode between the pair). The shorter decode (the byte
  * sign-extended, shifted left by 4 and masked with 0x87F0 is the bf16 of the value times
  * 2^-120; measured no faster either) is not taken: vdpbf16ps reads bf16 subnormal inputs as
  * zero (DAZ, measured on Zen 5), and it makes the 14 nonzero E4M3 subnormals (|w| < 2^-6)
