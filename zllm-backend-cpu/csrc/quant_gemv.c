@@ -95,6 +95,7 @@
 #include "common.h"
 #include "isa.h"
 #include "quant_gemv.h"
+#include "quant_gemv_bf16.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -934,7 +935,11 @@ static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float
 void zllm_qgemv_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, const float *x, int64_t xs,
                     const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scale, 0, 0.0f, n, k, bk, bn, k, (k + bk - 1) / bk};
-    gemv_planned(&w, L_FP8, x, xs, bias, y, t, threads);
+    const int bf16 = fp8_bf16_gemv(q, scale, bn, bk, x, xs, bias, y, t, n, k, threads);
+    if (bf16 == FP8_BF16_UNFIT) gemv(&w, ROWS_OF(fp8), x, xs, bias, y, t, threads);
+    for (int64_t j = 0; bf16 == FP8_BF16_OUT_OF_RANGE && j < t; j++) /* token by token: batch invariance */
+        if (fp8_bf16_gemv(q, scale, bn, bk, x + j * xs, xs, bias, y + j * n, 1, n, k, threads) != FP8_BF16_DONE)
+            gemv(&w, ROWS_OF(fp8), x + j * xs, xs, bias, y + j * n, 1, threads);
 }
 void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, int64_t n, int64_t k,
                       int64_t r0, int64_t r1, float *out, int threads) {
