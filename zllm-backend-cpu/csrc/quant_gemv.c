@@ -914,15 +914,35 @@ static void gemv_nibbles(const qweight *w, const int layout, rows_fn rows, rows_
     gemv_prepared(w, lanes, lanes_prep, xds, x, xs, bias, y, t, threads);
 }
 
-/* gemv for INT8: AVX-512 where int8_sums_fit, against x with its group sums; else the rows of
- * rows. */
-static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
-                      int threads) {
+/* quant_gemv_vnni.c: INT8 rows through VNNI dot products, for the leading tokens whose x it can
+ * hold (returns their count; -1 where the ISA level or the shape rules it out). */
+int64_t zllm_qgemv_int8_vnni(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,
+                             const float *x, int64_t xs, const float *bias, float *y, int64_t t, int64_t n,
+                             int64_t k, int threads) __attribute__((visibility("hidden")));
+
+/* gemv for INT8 without VNNI: AVX-512 where int8_sums_fit, against x with its group sums; else
+ * the rows of rows. */
+static void gemv_int8_f32(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                          int threads) {
     if (!int8_sums_fit(w->k, w->g) || t <= 0 || w->n <= 0) {
         gemv(w, ROWS_OF(int8), x, xs, bias, y, t, threads);
         return;
     }
     gemv_prepared(w, sums512_int8, int8_sums_x, w->k + w->ng, x, xs, bias, y, t, threads);
+}
+
+/* gemv for INT8: the tokens the VNNI kernel takes through it, each other token (a non-finite or
+ * tiny x: quant_gemv_vnni.c) through gemv_int8_f32 alone, so the kernel of a token depends on its
+ * x only. */
+static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                      int threads) {
+    int64_t j = 0;
+    for (int64_t run; j < t && (run = zllm_qgemv_int8_vnni(w->q, w->scales, w->zeros, w->g, x + j * xs, xs, bias,
+                                                           y + j * w->n, t - j, w->n, w->k, threads)) >= 0;) {
+        j += run;
+        if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, 1, threads), j++;
+    }
+    if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, t - j, threads);
 }
 
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
