@@ -60,7 +60,8 @@
  * (a2 + a3) minus z times the group's x sum (in lane 0), times the scale into the row total:
  * s (sum q x - z sum x), as the INT4 chunk kernels apply theirs. Three vector operations per 16
  * weights instead of four; measured (bench/quant_gemv.py --threads 1, ratio to Q8_0 at AVX-512)
- * in docs/performance.md. FP8 keeps its five (sign extension, shift, mask, F16C conversion,
+ * in docs/performance.md. Where K and the groups are multiples of 64, quant_gemv_vnni.c takes
+ * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). FP8 keeps its five (sign extension, shift, mask, F16C conversion,
  * FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
  *
  * Order: every output element is reduced in an order that depends only on the layout, K, the
