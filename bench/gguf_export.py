@@ -45,11 +45,13 @@ def written_by(path: Path) -> str | None:
     return json.loads(side.read_text())["writer"]
 
 
-def export_gguf(hf_dir: Path, path: Path, dtype: str, writer: str = "auto") -> str:
+def export_gguf(hf_dir: Path, path: Path, dtype: str, writer: str = "auto", dense_ends: str | None = None) -> str:
     """Write ``hf_dir``'s weights as GGUF ``path`` in ``dtype``; return which writer did it.
+    ``dense_ends`` (``"bf16"``; the ``gguf`` writer only): ``token_embd`` and ``output`` in that
+    dtype instead, as quantized HF checkpoints keep their embeddings and ``lm_head``.
 
     Raises:
-        ValueError: an unknown ``writer``.
+        ValueError: an unknown ``writer``, or ``dense_ends`` with the llama.cpp converter.
         RuntimeError: the converter failed or the llama.cpp sources are unavailable when
             ``writer="llama.cpp"``.
     """
@@ -57,6 +59,8 @@ def export_gguf(hf_dir: Path, path: Path, dtype: str, writer: str = "auto") -> s
 
     if writer not in ("auto", "llama.cpp", "gguf"):
         raise ValueError(f"unknown GGUF writer {writer!r}; expected auto, llama.cpp or gguf")
+    if dense_ends is not None and writer != "gguf":
+        raise ValueError("dense_ends needs writer='gguf' (the converter's --outtype applies to every tensor)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     src = None
@@ -77,8 +81,10 @@ def export_gguf(hf_dir: Path, path: Path, dtype: str, writer: str = "auto") -> s
             raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
         how = f"llama.cpp convert_hf_to_gguf.py (llama-cpp-python {llama_cpp_peer.sdist_version(src)} sdist)"
     else:
-        write_llama_gguf(hf_dir, tmp, dtype)
+        write_llama_gguf(hf_dir, tmp, dtype, dense_ends)
         how = "gguf package writer (bench/gguf_export.py)"
+        if dense_ends:
+            how += f", {dense_ends} token_embd / output"
     tmp.replace(path)
     _sidecar(path).write_text(json.dumps({"writer": how, "dtype": dtype, "source": str(hf_dir)}) + "\n")
     return how
@@ -90,8 +96,10 @@ def _permute_rope_rows(w, n_head: int):
     return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_llama_gguf(hf_dir: Path, path: Path, dtype: str) -> None:
-    """Write an HF Llama checkpoint (f32 safetensors) as a llama.cpp-compatible GGUF (layout above).
+def write_llama_gguf(hf_dir: Path, path: Path, dtype: str, dense_ends: str | None = None) -> None:
+    """Write an HF Llama checkpoint (f32 safetensors) as a llama.cpp-compatible GGUF (layout above),
+    with ``token_embd`` and ``output`` in ``dense_ends`` (``f32`` / ``f16`` / ``bf16``) when given
+    (``llama-quantize --token-embedding-type / --output-tensor-type``).
 
     Raises:
         ValueError: the checkpoint's vocabulary is not the 32000-token Llama one stored here.
@@ -107,9 +115,9 @@ def write_llama_gguf(hf_dir: Path, path: Path, dtype: str) -> None:
         tensors.update(load_file(str(file)))
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-             "q4_0": gguf.GGMLQuantizationType.Q4_0}[dtype]
+    qtypes = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+              "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+              "q4_0": gguf.GGMLQuantizationType.Q4_0}
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype]
@@ -142,21 +150,20 @@ def write_llama_gguf(hf_dir: Path, path: Path, dtype: str) -> None:
             w.add_key_value(key, field.contents(), vtype,
                             sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
 
-    def add(name: str, data: np.ndarray) -> None:
+    def add(name: str, data: np.ndarray, as_dtype: str = dtype) -> None:
         data = data.astype(np.float32)
-        if data.ndim == 1:
+        if data.ndim == 1 or as_dtype == "f32":
             w.add_tensor(name, data)
-        elif dtype == "f32":
-            w.add_tensor(name, data)
-        elif dtype == "f16":
+        elif as_dtype == "f16":
             w.add_tensor(name, data.astype(np.float16))
         else:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            qt = qtypes[as_dtype]
+            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
 
-    add("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add("token_embd.weight", tensors["model.embed_tokens.weight"], dense_ends or dtype)
     add("output_norm.weight", tensors["model.norm.weight"])
     if not cfg.get("tie_word_embeddings", False):
-        add("output.weight", tensors["lm_head.weight"])
+        add("output.weight", tensors["lm_head.weight"], dense_ends or dtype)
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}

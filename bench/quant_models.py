@@ -14,7 +14,9 @@ prefill tokens/s, batch-1 decode tokens/s, load time, peak-RSS growth), all rows
 before the next round (interleaved: a busy spell hits every row of its round), medians over
 the rounds. transformers runs the directories it can load on a CPU (it dequantizes them at
 load; the rows say in which dtype), and the rows it cannot say why. Ratios: decode against
-zllm's GGUF at about the same bits (FP8 / W8A16 vs Q8_0, W4A16 / MXFP4 vs Q4_0), decode
+zllm's GGUF at about the same bits (FP8 / W8A16 vs Q8_0, W4A16 / MXFP4 vs Q4_0) — the GGUF
+with bf16 embeddings and output as the HF directories have (its linear layers are then the
+only difference), and the GGUF with every 2-D tensor quantized — decode
 against the bandwidth limit of the bytes a token reads (every stored tensor but the embedding
 table), prefill against the Q8_0 GGUF, and zllm against transformers on the same directory.
 Writes ``bench/out/quant_models.json``. Nothing here asserts on timings.
@@ -39,14 +41,18 @@ sys.path.insert(0, str(REPO))
 from models import GENERATED, MODELS, OUT, ensure, gguf_path  # noqa: E402
 from run import best_bandwidth, limit_bandwidth, measure_bandwidth, random_prompt, run_worker  # noqa: E402
 
-#: HF layouts: name -> (zllm format, the GGUF row at about the same bits, how it is written).
+#: HF layouts: name -> (zllm format, the GGUF type of its linear layers' peer, how it is written).
 HF_LAYOUTS = {
     "fp8-block": ("fp8_e4m3", "q8_0", "transformers fp8, weight_block_size [128, 128]"),
     "w8a16": ("int8_g", "q8_0", "compressed-tensors pack-quantized int8, symmetric per channel"),
     "w4a16": ("int4_g", "q4_0", "compressed-tensors pack-quantized int4, asymmetric groups of 128"),
     "mxfp4": ("mxfp4", "q4_0", "compressed-tensors mxfp4-pack-quantized"),
 }
-GGUF_ROWS = ("q8_0", "q4_0")
+#: The suffix of a GGUF row whose token_embd and output stay bf16, as the HF directories keep
+#: their embeddings and lm_head: its linear layers are the only difference from an HF row.
+BF16_ENDS = "-bf16-ends"
+GGUF_TYPES = ("q8_0", "q4_0")
+GGUF_ROWS = (*GGUF_TYPES, *(t + BF16_ENDS for t in GGUF_TYPES))
 #: transformers' dtype per layout it is tried on. Not W4A16: its compressed-tensors path refuses
 #: the packed zero points of an asymmetric int4 scheme (tests/parity/test_quant_hf_vs_transformers.py);
 #: MXFP4 decompresses to bf16 only. A row that fails its first round is not run again.
@@ -95,17 +101,22 @@ def ensure_hf_layout(name: str, layout: str, work: Path = GENERATED) -> Path:
     return dst
 
 
-def ensure_gguf_row(name: str, dtype: str, work: Path = GENERATED) -> Path:
-    """``name`` as a GGUF file in ``dtype`` (``q8_0`` / ``q4_0``): a shipped one, else written once
-    by the gguf package (beside a generated checkpoint, or into ``work`` for a shipped one)."""
+def ensure_gguf_row(name: str, row: str, work: Path = GENERATED) -> Path:
+    """``name`` as the GGUF file of ``row`` (a :data:`GGUF_ROWS` entry: ``q8_0`` / ``q4_0``, with
+    :data:`BF16_ENDS` its embeddings and output in bf16): a shipped one, else written once by the
+    gguf package (beside a generated checkpoint, or into ``work`` for a shipped one)."""
     from gguf_export import export_gguf, written_by
 
     model = MODELS[name]
+    dtype = row.removesuffix(BF16_ENDS)
+    dense_ends = "bf16" if row != dtype else None
     shipped = dtype in model.shipped_gguf or model.create is not None
     path = gguf_path(name, dtype) if shipped else work / f"{name}-{dtype.upper()}.gguf"
+    if dense_ends:
+        path = path.with_name(path.stem + BF16_ENDS.upper() + path.suffix)
     if written_by(path) is None:
         print(f"[bench] writing {path.name} (once) ...", flush=True)
-        export_gguf(ensure(name), path, dtype, writer="gguf")
+        export_gguf(ensure(name), path, dtype, writer="gguf", dense_ends=dense_ends)
     return path
 
 
@@ -186,12 +197,14 @@ def summarize(name: str, paths: dict[str, Path], runs: dict[str, list[dict[str, 
         row["bytes_per_token"] = nbytes
         row["stored_bytes"] = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
         row["pct_of_bw_limit"] = row["decode_tok_s"] * nbytes / limit if limit else None
-        peer = summary.get(f"zllm {HF_LAYOUTS[key][1]}") if key in HF_LAYOUTS else None
         q8 = summary.get("zllm q8_0")
         hf_row = summary.get(f"transformers {key}")
-        if key in HF_LAYOUTS and peer and "error" not in peer:
-            row["decode_vs_gguf"] = per_round_ratio(runs[f"zllm {key}"], runs[f"zllm {HF_LAYOUTS[key][1]}"],
-                                                     "decode_tok_s")
+        if key in HF_LAYOUTS:
+            for field, peer_row in (("decode_vs_gguf", HF_LAYOUTS[key][1] + BF16_ENDS),
+                                    ("decode_vs_gguf_all", HF_LAYOUTS[key][1])):
+                peer = summary.get(f"zllm {peer_row}")
+                if peer and "error" not in peer:
+                    row[field] = per_round_ratio(runs[f"zllm {key}"], runs[f"zllm {peer_row}"], "decode_tok_s")
         if q8 and "error" not in q8 and key != "q8_0":
             row["prefill_vs_q8_0"] = per_round_ratio(runs[f"zllm {key}"], runs["zllm q8_0"], "prefill_tok_s")
         if hf_row and "error" not in hf_row:
@@ -213,12 +226,13 @@ def format_table(report: dict[str, Any]) -> str:
     def f(v: float | None, fmt: str) -> str:
         return "—" if v is None else fmt.format(v)
 
-    lines = ["| row | bits/weight | decode tok/s (min-max) | % of BW limit | decode vs GGUF same bits "
-             "| prefill tok/s | prefill vs Q8_0 | vs transformers (decode / prefill) | load s | peak RSS +MiB |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| row | bits/weight | decode tok/s (min-max) | % of BW limit | decode vs GGUF, bf16 ends "
+             "| vs GGUF, all quantized | prefill tok/s | prefill vs Q8_0 | vs transformers (decode / prefill) "
+             "| load s | peak RSS +MiB |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for row, s in report["rows"].items():
         if "error" in s:
-            lines.append(f"| {row} | — | failed: {s['error']} | | | | | | | |")
+            lines.append(f"| {row} | — | failed: {s['error']} | | | | | | | | |")
             continue
         bits = s.get("bytes_per_token")
         lo, hi = s["decode_range"]
@@ -227,7 +241,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {row} | {f(8 * bits / report['weights'] if bits else None, '{:.2f}')} "
             f"| {s['decode_tok_s']:.2f} ({lo:.2f}-{hi:.2f}) | {f(s.get('pct_of_bw_limit'), '{:.0%}')} "
-            f"| {f(s.get('decode_vs_gguf'), '{:.2f}x')} | {s['prefill_tok_s']:.1f} "
+            f"| {f(s.get('decode_vs_gguf'), '{:.2f}x')} | {f(s.get('decode_vs_gguf_all'), '{:.2f}x')} "
+            f"| {s['prefill_tok_s']:.1f} "
             f"| {f(s.get('prefill_vs_q8_0'), '{:.2f}x')} | {vs_hf} | {s['load_s']:.1f} "
             f"| {s['peak_rss_growth_bytes'] / (1 << 20):.0f} |")
     return "\n".join(lines)

@@ -58,3 +58,18 @@ def test_bytes_per_token_reads_one_embedding_row_and_the_whole_output(hf_dir: Pa
     assert got["weight_bytes"] == sum(tensors.values())
     assert got["bytes_per_token"] == sum(tensors.values()) - tensors["token_embd.weight"] + embed_row
     assert "output.weight" in tensors  # untied: read in full, counted once
+
+
+@pytest.mark.slow
+def test_dense_ends_keep_embeddings_and_output_bf16_and_quantize_the_rest(hf_dir: Path, tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "tiny-Q4_0-BF16-ENDS.gguf"
+    write_llama_gguf(hf_dir, path, "q4_0", dense_ends="bf16")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert types.pop("token_embd.weight") == types.pop("output.weight") == gguf.GGMLQuantizationType.BF16
+    assert {types[n] for n in types if "norm" not in n} == {gguf.GGMLQuantizationType.Q4_0}
+    ids = [1, 500, 31999, 7]
+    want = _engine(hf_dir).prompt_logits(ids)
+    got = _engine(path).prompt_logits(ids)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9  # Q4_0 rounding

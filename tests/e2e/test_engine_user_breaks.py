@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import zllm
+from tests.cli.conftest import ZLLM
 from tests.conftest import CONFIGS, MODEL_DIR, write_config
 from zllm.spec.errors import CheckpointError, ConfigError, RequestError
 
@@ -179,3 +181,23 @@ def test_bad_gguf_metadata_value_names_the_key(tmp_path, key, value, vtype):
     path = _gguf_with(tmp_path / "m.gguf", key, value, vtype)
     with pytest.raises(CheckpointError, match=f"metadata '{key}' is .*; expected a number > 0"):
         zllm.Engine.from_config(write_config(tmp_path, path))
+
+
+def test_nan_in_a_dense_weight_ends_zllm_run_with_one_error_line_and_exit_3(tmp_path):
+    # The logits of every step are checked (one sum): a NaN weight made every token id 0 and
+    # `zllm run` printed empty text with exit 0.
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(HF_DIR, ckpt)
+    shard = next(ckpt.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("layers.0.mlp.down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    run = subprocess.run([*ZLLM, "run", "--config", str(write_config(tmp_path, ckpt)), "--max-new-tokens", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr
+    assert "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "logits are not finite" in errors[0], run.stderr

@@ -14,7 +14,7 @@ from zllm.capabilities.backend import Backend, BackendInfo
 from zllm.capabilities.ops import AttentionMetadata, SamplingRow
 from zllm.capabilities.parallel import SINGLE, ParallelContext, check_stage_windows, check_tensor_parallel
 from zllm.domain.family import FamilyInfo, KVCacheShape
-from zllm.domain.hf_config import config_flag
+from zllm.domain.hf_config import config_flag, config_int
 from zllm.domain.kv_cache import KVCacheSpec, KVLayerSpec, KVTensor
 from zllm.domain.mla import MlaConfig, mla_config_from_hf
 from zllm.domain.moe import (
@@ -46,6 +46,7 @@ from zllm.weights.formats import (
     FORMATS,
     QuantizedTensor,
     WeightFormat,
+    concat_projections,
     concat_rows,
     format_of,
     stack_weights,
@@ -102,7 +103,9 @@ __all__ = [
     "rope_params_from_config",
     "router_config_from_hf",
     "select_experts",
+    "concat_projections",
     "concat_rows",
     "config_flag",
+    "config_int",
     "stack_weights",
 ]

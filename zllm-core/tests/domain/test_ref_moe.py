@@ -63,7 +63,7 @@ def routers(draw):
         norm_topk_prob=draw(st.booleans()),
         routed_scaling_factor=draw(st.sampled_from([1.0, 2.5, 16.0])),
     )
-    t = draw(st.integers(1, 6))
+    t = draw(st.integers(1, 9))  # up to 4 rows the tie check is a Python loop, above a tensor op
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     if draw(st.booleans()):  # few distinct values: ties between experts and between groups
         logits = torch.randint(-1, 2, (t, n_experts), generator=g).float()

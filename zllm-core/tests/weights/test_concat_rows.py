@@ -9,7 +9,7 @@ import torch
 from zllm.conformance.cases import make_weight
 from zllm.conformance.quantizers import quantize_fp8_e4m3
 from zllm.domain.quant import dequantize
-from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor, concat_rows
+from zllm.weights.formats import DTYPE_OF_FORMAT, FORMATS, QuantizedTensor, concat_projections, concat_rows
 
 K = 256  # a k-quant super-block, and a multiple of every format's column block
 
@@ -56,3 +56,21 @@ def test_unrowed_parts_must_agree():
     a, b = make_weight(g, "nvfp4", 16, K), make_weight(g, "nvfp4", 16, K)
     assert not torch.equal(a.parts["global_scale"], b.parts["global_scale"])
     assert concat_rows([a, b]) is None
+
+
+def test_projections_join_with_their_biases_in_order_or_all_without():
+    g = torch.Generator().manual_seed(4)
+    ws = [make_weight(g, "q8_0", n, K) for n in (64, 16, 16)]
+    bs = [torch.randn(n, generator=g) for n in (64, 16, 16)]
+    joined = concat_projections(ws, bs)
+    assert joined is not None and torch.equal(joined[1], torch.cat(bs))
+    assert torch.equal(_decoded(joined[0]), torch.cat([_decoded(w) for w in ws]))
+    no_bias = concat_projections(ws, [None, None, None])
+    assert no_bias is not None and no_bias[1] is None
+
+
+def test_projections_where_only_some_have_a_bias_are_not_joined():
+    g = torch.Generator().manual_seed(5)
+    ws = [make_weight(g, "f32", n, K) for n in (8, 8)]
+    assert concat_projections(ws, [torch.zeros(8), None]) is None
+    assert concat_projections([ws[0], make_weight(g, "bf16", 8, K)], [None, None]) is None

@@ -68,6 +68,9 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek
 # ~1e-12, so softmax routers divide exactly as Mixtral and Qwen do.
 _RENORM_EPS = 1e-20
 
+# Rows up to which _topk_lowest_index checks for ties in Python: a decode step's few rows.
+_TIE_CHECK_PYTHON_ROWS = 4
+
 
 def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -179,13 +182,15 @@ def _topk_lowest_index(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
 
     ``torch.topk`` over ``k + 1`` values is that answer whenever each row's ``k + 1`` largest
     values are distinct (its order is then by value alone, and value ``k + 1`` is out); a
-    decode step's router takes that path (one ``topk`` and a check in Python, against a sort of
-    all ``n``), and a row with a tie among them takes the sort.
+    decode step's router takes that path (one ``topk`` and a check, against a sort of all
+    ``n``), and a row with a tie among them takes the sort. The check is a Python loop for a
+    few rows (cheaper than a tensor op's dispatch) and one comparison of tensors for a prefill.
     """
     n = values.shape[-1]
     if k < n:
         top, ids = values.topk(k + 1, dim=-1)  # [T, k + 1], descending
-        if all(all(a > b for a, b in itertools.pairwise(row)) for row in top.tolist()):
+        if (all(all(a > b for a, b in itertools.pairwise(row)) for row in top.tolist())
+                if top.shape[0] <= _TIE_CHECK_PYTHON_ROWS else bool((top[:, :-1] > top[:, 1:]).all())):
             return ids[:, :k], top[:, :k]
     order = torch.sort(values, dim=-1, descending=True, stable=True)
     return order.indices[:, :k], order.values[:, :k]

@@ -19,6 +19,8 @@ the same logits.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -56,6 +58,28 @@ def _mask(seq: Sequence, device: torch.device) -> torch.Tensor | None:
         return None
     mask = seq.constraint.allowed_tokens()
     return None if mask is None else mask.to(device)
+
+
+def check_finite_logits(logits: torch.Tensor) -> None:
+    """Refuse a step whose logits hold a NaN or an infinity: sampling would read one as a token
+    (argmax of a NaN row is its first NaN), and the output would be text made of token 0.
+
+    Args:
+        logits: f32 ``[S', V]``, the step's sampled and verified rows.
+
+    Raises:
+        RuntimeError: naming the rows and the likely causes. The engine loop ends every live
+            request with it (``zllm run`` exits 3), as the MoE router's own check does: a
+            non-finite weight in the checkpoint affects every request.
+    """
+    # One reduction for the common case; a sum can overflow for finite logits, which the
+    # elementwise check then tells apart.
+    if logits.numel() == 0 or math.isfinite(logits.sum()):
+        return
+    bad = (~torch.isfinite(logits)).any(dim=-1).nonzero().flatten().tolist()
+    if bad:
+        raise RuntimeError(f"the model's logits are not finite in {len(bad)} of {logits.shape[0]} rows (a NaN or "
+                           "infinite weight in the checkpoint, or an overflow in the forward pass)")
 
 
 @attrs.frozen
@@ -131,6 +155,7 @@ class ModelRunner:
             logits, hidden = out if self.keep_hidden else (out, None)  # [S' + sum(k + 1), V], [T, C]
             if self.sample_width is not None and logits.shape[1] > self.sample_width:
                 logits = logits[:, : self.sample_width]  # a view: padded columns are never candidates
+            check_finite_logits(logits)
             results = self._sample(logits[: len(sampling)], sampling) if sampling else []
             if verifying:
                 results += self._verify(logits[len(sampling):], verifying)

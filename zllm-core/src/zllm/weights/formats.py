@@ -481,6 +481,22 @@ def concat_rows(
     return QuantizedTensor(parts, first.fmt, (sum(w.shape[0] for w in quantized), first.shape[1]), block=first.block)
 
 
+def concat_projections(
+    weights: list[torch.Tensor] | list[QuantizedTensor], biases: list[torch.Tensor | None],
+) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | None] | None:
+    """Projections of the same input (weights ``[N_i, K]``, biases f32 ``[N_i]`` or None) as one:
+    ``(concat_rows(weights), the biases concatenated or None)``; None where :func:`concat_rows`
+    refuses or where some but not all have a bias (a zero bias would add a step the others do
+    not take)."""
+    if len({b is None for b in biases}) != 1:
+        return None
+    joined = concat_rows(weights)
+    if joined is None:
+        return None
+    present = [b for b in biases if b is not None]
+    return joined, torch.cat(present) if present else None
+
+
 def stack_weights(weights: list[torch.Tensor] | list[QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
     """``E`` weights ``[N, K]`` (per-expert checkpoint tensors) as one ``[E, N, K]`` stack: dense
     tensors by ``torch.stack``, quantized ones part by part (each part gains the leading ``E``).

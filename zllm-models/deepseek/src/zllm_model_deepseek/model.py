@@ -33,7 +33,7 @@ from zllm.plugin_api import (
     QuantizedTensor,
     RopeTable,
     SharedExperts,
-    concat_rows,
+    concat_projections,
     dequantize,
     rope_inv_freq,
     stack_weights,
@@ -59,7 +59,7 @@ class MoeWeights:
 class DeepseekLayer:
     """The weights of one decoder layer (q_proj or the q_a/q_b pair; dense ``mlp`` or ``moe``).
 
-    ``q_kv_a`` is ``q`` (or ``q_a``) and ``kv_a`` joined at load (:func:`concat_rows`: the two
+    ``q_kv_a`` is ``q`` (or ``q_a``) and ``kv_a`` joined at load (:func:`concat_projections`: the two
     projections of ``x`` as one GEMV, the same output rows) when they share a format and their
     biases agree (q_proj has none); ``q`` (``q_a``), ``kv_a`` and their biases are then None."""
 
@@ -88,15 +88,12 @@ def _joined_q_kv_a(fields: dict[str, Any]) -> dict[str, Any]:
     """``fields`` with ``q`` (or ``q_a``) and ``kv_a`` joined into ``q_kv_a`` where they can be
     (see :class:`DeepseekLayer`), else unchanged."""
     first = "q" if fields["q"] is not None else "q_a"
-    biases = [None, fields["kv_a_bias"]] if first == "q" else [fields["q_a_bias"], fields["kv_a_bias"]]
-    if len({b is None for b in biases}) != 1:
-        return fields
-    joined = concat_rows([fields[first], fields["kv_a"]])
+    joined = concat_projections([fields[first], fields["kv_a"]],
+                                [None if first == "q" else fields["q_a_bias"], fields["kv_a_bias"]])
     if joined is None:
         return fields
-    bias = None if biases[1] is None else torch.cat(biases)
-    return fields | {first: None, "kv_a": None, "q_a_bias": None, "kv_a_bias": None, "q_kv_a": joined,
-                     "q_kv_a_bias": bias}
+    return fields | {first: None, "kv_a": None, "q_a_bias": None, "kv_a_bias": None, "q_kv_a": joined[0],
+                     "q_kv_a_bias": joined[1]}
 
 
 def _kv_b(w: dict[str, Any], p: str, spec: DeepseekSpec, notes: dict[str, str]) -> Any:

@@ -35,6 +35,7 @@ from zllm.plugin_api import (
     RopeParams,
     RouterConfig,
     config_flag,
+    config_int,
     is_moe_layer,
     mla_config_from_hf,
     router_config_from_hf,
@@ -100,13 +101,8 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> DeepseekSpec:
             source, f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}"
         )
 
-    def positive_int(key: str, default: Any = None) -> int:
-        value = cfg.get(key, default)
-        if value is None:
-            raise CheckpointError(source, f"{model_type} config lacks required key {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CheckpointError(source, f"{key} {value!r} is not a positive integer")
-        return value
+    def positive_int(key: str, default: int | None = None) -> int:
+        return config_int(cfg, key, source, default, model_type=str(model_type))
 
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(

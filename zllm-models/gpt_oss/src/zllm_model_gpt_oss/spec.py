@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from zllm.plugin_api import CheckpointError, RopeParams, config_flag, rope_params_from_config
+from zllm.plugin_api import CheckpointError, RopeParams, config_flag, config_int, rope_params_from_config
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -78,16 +78,8 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> GptOssSpec:
             not dividing, more experts per token than experts), or a feature this family does
             not implement is configured; the message names the key.
     """
-    def positive_int(key: str, value: Any) -> int:
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not value.is_integer()) or value < 1):
-            raise CheckpointError(source, f"{key} {value!r} is not a positive integer")
-        return int(value)
-
     def need(key: str) -> int:
-        if cfg.get(key) is None:
-            raise CheckpointError(source, f"gpt_oss config lacks required key {key!r}")
-        return positive_int(key, cfg[key])
+        return config_int(cfg, key, source, model_type="gpt_oss")
 
     def number(key: str, default: float) -> float:
         value = cfg.get(key, default)
@@ -98,16 +90,15 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> GptOssSpec:
     if cfg.get("model_type", "gpt_oss") != "gpt_oss":
         raise CheckpointError(source, f"model_type {cfg['model_type']!r} is not 'gpt_oss', the type this family parses")
     heads = need("num_attention_heads")
-    kv_heads = heads if cfg.get("num_key_value_heads") is None else positive_int(
-        "num_key_value_heads", cfg["num_key_value_heads"])
+    kv_heads = config_int(cfg, "num_key_value_heads", source, heads)
     if heads % kv_heads:
         raise CheckpointError(source,
                               f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = positive_int("head_dim", cfg.get("head_dim") or 64)
+    head_dim = config_int(cfg, "head_dim", source, 64)
     if head_dim % 2:
         raise CheckpointError(source, f"head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
     num_layers = need("num_hidden_layers")
-    context_length = positive_int("max_position_embeddings", cfg.get("max_position_embeddings", 131072))
+    context_length = config_int(cfg, "max_position_embeddings", source, 131072)
     experts, per_tok = need("num_local_experts"), need("num_experts_per_tok")
     if per_tok > experts:
         raise CheckpointError(source, f"num_experts_per_tok {per_tok} > num_local_experts {experts}: a token "

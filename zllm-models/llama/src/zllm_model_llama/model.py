@@ -27,7 +27,7 @@ from zllm.plugin_api import (
     ParallelContext,
     RopeTable,
     SharedExperts,
-    concat_rows,
+    concat_projections,
     rope_inv_freq,
     stack_weights,
 )
@@ -75,7 +75,7 @@ class MoeLayer:
 class LlamaLayer:
     """The weights of one decoder layer (biases and q/k norms are None unless the config has them).
 
-    ``qkv`` ``[(H + 2 Hkv) D, C]`` is q, k and v joined at load (:func:`concat_rows`: one GEMV
+    ``qkv`` ``[(H + 2 Hkv) D, C]`` is q, k and v joined at load (:func:`concat_projections`: one GEMV
     a decode step instead of three, the same output rows) when they share a format and all or
     none have biases; ``q``, ``k``, ``v`` (and their biases) are then None."""
 
@@ -109,11 +109,10 @@ class LlamaLayer:
             proj |= {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
         fields = {k: w[p + n + ".weight"] for k, n in proj.items()}
         fields |= {k + "_bias": w.get(p + n + ".bias") for k, n in proj.items()}
-        biases = [fields[k + "_bias"] for k in "qkv"]
-        qkv = concat_rows([fields[k] for k in "qkv"]) if len({b is None for b in biases}) == 1 else None
-        if qkv is not None:
+        joined = concat_projections([fields[k] for k in "qkv"], [fields[k + "_bias"] for k in "qkv"])
+        if joined is not None:
             fields |= {k: None for k in ("q", "k", "v", "q_bias", "k_bias", "v_bias")}
-            fields |= {"qkv": qkv, "qkv_bias": None if biases[0] is None else torch.cat(biases)}
+            fields |= {"qkv": joined[0], "qkv_bias": joined[1]}
         return cls(attn_norm=w[p + "input_layernorm.weight"], mlp_norm=w[p + "post_attention_layernorm.weight"],
                    q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"),
                    moe=moe, **fields)

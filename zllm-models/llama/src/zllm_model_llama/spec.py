@@ -29,6 +29,7 @@ Q/K rows llama.cpp's converter permuted into adjacent pairs — rotates pairs ``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -38,6 +39,7 @@ from zllm.plugin_api import (
     RopeParams,
     RouterConfig,
     config_flag,
+    config_int,
     is_moe_layer,
     rope_params_from_config,
     router_config_from_hf,
@@ -189,17 +191,8 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
             dividing), or a feature this family does not implement is configured (the
             message names it and what is supported).
     """
-    def need(key: str) -> Any:
-        if key not in cfg:
-            raise CheckpointError(source, f"{rules.model_type} config lacks required key {key!r}")
-        return positive_int(key, cfg[key])
-
-    def positive_int(key: str, value: Any) -> int:
-        # An integral float (64.0) is accepted; a bool, a string, zero or a negative is not.
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not value.is_integer()) or value < 1):
-            raise CheckpointError(source, f"{key} {value!r} is not a positive integer")
-        return int(value)
+    def need(key: str) -> int:
+        return config_int(cfg, key, source, model_type=rules.model_type)
 
     model_type = cfg.get("model_type", rules.model_type)
     if model_type != rules.model_type:
@@ -208,16 +201,15 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(source, f"hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)")
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    raw_kv_heads = cfg.get("num_key_value_heads")
-    kv_heads = heads if raw_kv_heads is None else positive_int("num_key_value_heads", raw_kv_heads)
+    kv_heads = config_int(cfg, "num_key_value_heads", source, heads)
     if heads % kv_heads:
         raise CheckpointError(source,
                               f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = positive_int("head_dim", cfg.get("head_dim") or rules.default_head_dim or hidden // heads)
+    head_dim = config_int(cfg, "head_dim", source, rules.default_head_dim or hidden // heads)
     if head_dim % 2:
         raise CheckpointError(source, f"head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
     num_layers = need("num_hidden_layers")
-    context_length = positive_int("max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    context_length = config_int(cfg, "max_position_embeddings", source, 2048)
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise CheckpointError(source, f"rms_norm_eps {eps!r} is not a finite number >= 0")
@@ -231,7 +223,7 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
     interleaved = cfg.get("rope_interleaved", False)
     if not isinstance(interleaved, bool):
         raise CheckpointError(source, f"rope_interleaved {interleaved!r} is not true or false")
-    moe = _moe_spec(cfg, rules, num_layers, source, need, positive_int)
+    moe = _moe_spec(cfg, rules, num_layers, source, need)
     return LlamaSpec(
         model_type=rules.model_type,
         vocab_size=need("vocab_size"),
@@ -255,8 +247,8 @@ def spec_from_config(cfg: dict[str, Any], source: str, rules: ArchRules = LLAMA)
     )
 
 
-def _moe_spec(cfg: dict[str, Any], rules: ArchRules, num_layers: int, source: str, need: Any,
-              positive_int: Any) -> MoeSpec | None:
+def _moe_spec(cfg: dict[str, Any], rules: ArchRules, num_layers: int, source: str,
+              need: Callable[[str], int]) -> MoeSpec | None:
     """The MoE part of the spec (None for a dense type); every key is read, none assumed
     (``norm_topk_prob`` included: Qwen3-MoE's config class defaults it to False while
     released checkpoints say True)."""
