@@ -18,8 +18,10 @@ the median over rounds of the per-round ratio to the GGUF format at the same bit
 T`` also times ``T`` tokens at once through one layer (the tiled decode + ``torch.mm`` path),
 median of 3 interleaved rounds, scaled to the layer count. ``--isa avx2,avx512`` times every
 layout at each ISA level of the native row kernels within the same rounds (rows
-``layout@level``; the GGUF ratio compares layouts at the same level). Writes the table to
-stdout and ``bench/out/quant_gemv.json``.
+``layout@level``; the GGUF ratio compares layouts at the same level); the level ``avx512-f32``
+is AVX-512 with the FP8 rows' BF16 dot products turned off (``csrc/quant_gemv_bf16.c``: the f32
+rows, for an A/B of the two within the same rounds). Writes the table to stdout and
+``bench/out/quant_gemv.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from zllm.plugin_api import QuantizedTensor
 from zllm_backend_cpu.kernels import gemv
 from zllm_backend_cpu.kernels import quant_gemv as quant
-from zllm_backend_cpu.kernels.native import select_isa
+from zllm_backend_cpu.kernels.native import select_fp8_bf16, select_isa
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 1280, 20, 10, 64, 3328
 SHAPES = [(HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN),
@@ -109,8 +111,11 @@ def measure(layouts: list[str], layers: int, repeats: int, prefill: int,
     keys = [(level, fmt) for level in levels for fmt in layouts]
 
     def timed(weights: list[tuple[QuantizedTensor, int]], x: dict[int, torch.Tensor], level: str | None) -> float:
-        if level is not None and select_isa(level) != level:
-            raise RuntimeError(f"this CPU cannot run the native row kernels' {level} level")
+        if level is not None:
+            isa, _, variant = level.partition("-")
+            if select_isa(isa) != isa:
+                raise RuntimeError(f"this CPU cannot run the native row kernels' {isa} level")
+            select_fp8_bf16(variant != "f32")
         t0 = time.perf_counter()
         for w, k in weights:
             run_linear(w, x[k])
@@ -118,14 +123,17 @@ def measure(layouts: list[str], layers: int, repeats: int, prefill: int,
 
     times: dict[tuple[str | None, str], list[float]] = {key: [] for key in keys}
     ptimes: dict[tuple[str | None, str], list[float]] = {key: [] for key in keys}
-    for level, fmt in keys:  # warm-up
-        timed(built[fmt][0], xs, level)
-    for _ in range(repeats):
-        for level, fmt in keys:
-            times[level, fmt].append(timed(built[fmt][0], xs, level))
-    for _ in range(3 if prefill else 0):
-        for level, fmt in keys:
-            ptimes[level, fmt].append(timed(built[fmt][0][: len(shapes)], xp, level) * layers)
+    try:
+        for level, fmt in keys:  # warm-up
+            timed(built[fmt][0], xs, level)
+        for _ in range(repeats):
+            for level, fmt in keys:
+                times[level, fmt].append(timed(built[fmt][0], xs, level))
+        for _ in range(3 if prefill else 0):
+            for level, fmt in keys:
+                ptimes[level, fmt].append(timed(built[fmt][0][: len(shapes)], xp, level) * layers)
+    finally:
+        select_fp8_bf16(True)  # allowed, as when the library loads
     limit = {size: max(gb_s, read_gb_s(size)) for size, gb_s in limit.items()}
     rows = {}
     weights_per_token = layers * sum(n * k for n, k in shapes)
@@ -155,7 +163,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill", type=int, default=128, help="tokens of the prefill timing (0: none)")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
-    p.add_argument("--isa", default="", help="ISA levels to compare, e.g. avx2,avx512 (default: the one in use)")
+    p.add_argument("--isa", default="", help="ISA levels to compare, e.g. avx2,avx512,avx512-f32 (default: the one "
+                   "in use)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "quant_gemv.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

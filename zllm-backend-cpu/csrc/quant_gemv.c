@@ -61,8 +61,8 @@
  * s (sum q x - z sum x), as the INT4 chunk kernels apply theirs. Three vector operations per 16
  * weights instead of four; measured (bench/quant_gemv.py --threads 1, ratio to Q8_0 at AVX-512)
  * in docs/performance.md. Where K and the groups are multiples of 64, quant_gemv_vnni.c takes
- * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). FP8 keeps its five (sign extension, shift, mask, F16C conversion,
- * FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
+ * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). FP8 keeps
+ * its five (sign extension, shift, mask, F16C conversion, FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
  *
  * Order: every output element is reduced in an order that depends only on the layout, K, the
  * group size and the ISA level in use (never on T, N, the other rows or the thread split; x's
@@ -95,6 +95,8 @@
  */
 #include "common.h"
 #include "isa.h"
+#include "quant_gemv_bf16.h"
+#include "quant_gemv_vnni.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -915,12 +917,6 @@ static void gemv_nibbles(const qweight *w, const int layout, rows_fn rows, rows_
     gemv_prepared(w, lanes, lanes_prep, xds, x, xs, bias, y, t, threads);
 }
 
-/* quant_gemv_vnni.c: INT8 rows through VNNI dot products, for the leading tokens whose x it can
- * hold (returns their count; -1 where the ISA level or the shape rules it out). */
-int64_t zllm_qgemv_int8_vnni(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,
-                             const float *x, int64_t xs, const float *bias, float *y, int64_t t, int64_t n,
-                             int64_t k, int threads) __attribute__((visibility("hidden")));
-
 /* gemv for INT8 without VNNI: AVX-512 where int8_sums_fit, against x with its group sums; else
  * the rows of rows. */
 static void gemv_int8_f32(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
@@ -938,8 +934,8 @@ static void gemv_int8_f32(const qweight *w, const float *x, int64_t xs, const fl
 static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
                       int threads) {
     int64_t j = 0;
-    for (int64_t run; j < t && (run = zllm_qgemv_int8_vnni(w->q, w->scales, w->zeros, w->g, x + j * xs, xs, bias,
-                                                           y + j * w->n, t - j, w->n, w->k, threads)) >= 0;) {
+    for (int64_t run; j < t && (run = int8_vnni_gemv(w->q, w->scales, w->zeros, w->g, x + j * xs, xs, bias,
+                                                     y + j * w->n, t - j, w->n, w->k, threads)) >= 0;) {
         j += run;
         if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, 1, threads), j++;
     }
@@ -962,7 +958,11 @@ static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float
 void zllm_qgemv_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, const float *x, int64_t xs,
                     const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     const qweight w = {q, scale, 0, 0.0f, n, k, bk, bn, k, (k + bk - 1) / bk};
-    gemv(&w, ROWS_OF(fp8), x, xs, bias, y, t, threads);
+    const int bf16 = fp8_bf16_gemv(q, scale, bn, bk, x, xs, bias, y, t, n, k, threads);
+    if (bf16 == FP8_BF16_UNFIT) gemv(&w, ROWS_OF(fp8), x, xs, bias, y, t, threads);
+    for (int64_t j = 0; bf16 == FP8_BF16_OUT_OF_RANGE && j < t; j++) /* token by token: batch invariance */
+        if (fp8_bf16_gemv(q, scale, bn, bk, x + j * xs, xs, bias, y + j * n, 1, n, k, threads) != FP8_BF16_DONE)
+            gemv(&w, ROWS_OF(fp8), x + j * xs, xs, bias, y + j * n, 1, threads);
 }
 void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t bk, int64_t n, int64_t k,
                       int64_t r0, int64_t r1, float *out, int threads) {

@@ -45,6 +45,7 @@
  */
 #include "common.h"
 #include "isa.h"
+#include "quant_gemv_vnni.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -55,10 +56,6 @@
 #define VNNI_CHUNK_BYTES (64 << 10) /* weight bytes per work item, as quant_gemv.c */
 #define VNNI_PREFETCH 2048
 #define VNNI_MIN_E (-126 + 7 * (VNNI_DIGITS - 1)) /* the smallest E whose last digit weight is normal */
-
-int64_t zllm_qgemv_int8_vnni(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,
-                             const float *x, int64_t xs, const float *bias, float *y, int64_t t, int64_t n,
-                             int64_t k, int threads) __attribute__((visibility("hidden")));
 
 /* One token's x as digits: per 64 columns c (a multiple of 64), bytes [4c, 4c + 256) hold digit
  * i of column c + j at 4c + 64 i + j; then per block the weights of its two digit pairs, d 2^-7
@@ -214,13 +211,9 @@ AVX512 static void rows_vnni(const digits_layout *L, const uint8_t *q, const flo
     }
 }
 
-/* zllm_qgemv_int8's operands (quant_gemv.c) -> y for the leading tokens whose x split_token
- * holds, returning their count (0 where the first token's x is non-finite or tiny: quant_gemv.c
- * takes that token alone, then calls again with the rest); -1 where the ISA level or the shape
- * rule this kernel out, or the digits cannot be allocated. */
-int64_t zllm_qgemv_int8_vnni(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,
-                             const float *x, int64_t xs, const float *bias, float *y, int64_t t, int64_t n,
-                             int64_t k, int threads) {
+/* quant_gemv_vnni.h: the leading tokens whose x split_token holds, through rows_vnni. */
+int64_t int8_vnni_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
+                       int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     if (native_isa_level < ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || t <= 0 || n <= 0)
         return -1;
     digits_layout L = {.k = k, .g = g < k ? g : k};

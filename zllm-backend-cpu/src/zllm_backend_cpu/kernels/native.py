@@ -20,7 +20,10 @@ the library selects when it is loaded where the CPU has them. ``ZLLM_NATIVE_ISA=
 here, once, when the library is loaded) forces the AVX2 kernels; ``auto`` (or unset) takes the
 best the CPU has. :func:`isa_description` says which runs and why (the registry note of those
 kernels, so ``zllm run --explain`` shows it). The block formats give the same bits at both
-levels; the HF layouts sum in another fixed order (``csrc/quant_gemv.c``).
+levels; the HF layouts sum in another fixed order (``csrc/quant_gemv.c``). At the AVX-512 level
+the FP8 rows take BF16 dot products of exact bf16 pieces of x where the CPU also has AVX512_BF16
+and AVX512_VBMI (``csrc/quant_gemv_bf16.c``; :func:`select_fp8_bf16` turns them off for
+comparisons).
 
 torch is imported before the library is loaded: the library needs ``libgomp.so.1``, and the
 dynamic loader then binds it to the copy torch loaded, so torch's ops and the native kernels
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch  # noqa: F401  (imported first; see the module doc)
 
 LIBRARY_PATH = Path(__file__).resolve().parent.parent / "_native.so"
-ABI_VERSION = 9  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
+ABI_VERSION = 10  # ZLLM_NATIVE_ABI in csrc/library.c: a mismatch means a stale build
 ISA_SETTING = "ZLLM_NATIVE_ISA"
 #: ISA levels of the row kernels, in the order of csrc/isa.h's enum (its index is the C level).
 ISA_LEVELS = ("avx2", "avx512")
@@ -151,6 +154,20 @@ def select_isa(highest: str) -> str:
     return ISA_LEVELS[library().zllm_native_select_isa(ISA_LEVELS.index(highest))]
 
 
+def select_fp8_bf16(allow: bool) -> bool:
+    """Allows or forbids the FP8 rows' BF16 dot-product kernels (``csrc/quant_gemv_bf16.c``; allowed
+    when the library loads) and returns whether they are in use now: allowed, at the
+    ``"avx512"`` level, on a CPU with AVX512_BF16 and AVX512_VBMI. For comparing them with the
+    f32 rows (tests, benchmarks); never while kernels run.
+
+    Raises:
+        RuntimeError: the library is unavailable.
+    """
+    fn = library().zllm_native_fp8_bf16
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return bool(fn(int(allow)))
+
+
 def isa_description() -> str:
     """The row kernels' ISA level in use and why, for ``zllm run --explain``.
 
@@ -171,4 +188,5 @@ def unavailable_reason() -> str | None:
 
 
 __all__ = ["ABI_VERSION", "F32", "I64", "INT", "ISA_LEVELS", "ISA_SETTING", "LIBRARY_PATH", "P", "function", "isa",
-           "isa_description", "library", "requested_isa", "select_isa", "unavailable_reason"]
+           "isa_description", "library", "requested_isa", "select_fp8_bf16", "select_isa",
+           "unavailable_reason"]
