@@ -28,13 +28,13 @@
  * + bias.
  *
  * Applies at the AVX-512 level (isa.h's flags include avx512vnni; ZLLM_NATIVE_ISA=avx2 keeps
- * the AVX2 kernels) where K and g are multiples of 64 (per-channel rows: g = K); else, and for a
- * call whose x holds a non-finite value or a block whose max |x| is nonzero but under 2^-99
- * (its last digit's weight would not be a normal f32), quant_gemv.c's kernels take the call
- * (for such x, that token alone: a token's kernel depends on its own x only).
+ * the AVX2 kernels) where K and g are multiples of 64 (per-channel rows: g = K); else
+ * quant_gemv.c's kernels take the call. A token whose x holds a non-finite value, or a block
+ * whose max |x| is nonzero but under 2^-99 (its last digit's weight would not be a normal f32),
+ * goes to them alone (gemv_int8): a token's kernel depends on its own x only.
  *
  * Measured (docs/performance.md; per call, one thread, CPU time, against quant_gemv.c's
- * dot_int8_512): per channel 1.06-1.27x at T = 1, groups of 128 0.98-1.06x, T = 2 0.93-0.99x
+ * dot_int8_512): per channel 1.06-1.29x at T = 1, groups of 128 0.98-1.31x, T = 2 0.93-0.99x
  * (eight vpdpbusd per 64 columns against dot_int8_512's decode shared by two tokens); batch-1
  * decode reads its weights at memory speed, so end to end the change is inside the noise.
  *
