@@ -60,8 +60,9 @@
  * (a2 + a3) minus z times the group's x sum (in lane 0), times the scale into the row total:
  * s (sum q x - z sum x), as the INT4 chunk kernels apply theirs. Three vector operations per 16
  * weights instead of four; measured (bench/quant_gemv.py --threads 1, ratio to Q8_0 at AVX-512)
- * in docs/performance.md. FP8 keeps its five (sign extension, shift, mask, F16C conversion,
- * FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
+ * in docs/performance.md. Where K and the groups are multiples of 64, quant_gemv_vnni.c takes
+ * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). FP8 keeps
+ * its five (sign extension, shift, mask, F16C conversion, FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
  *
  * Order: every output element is reduced in an order that depends only on the layout, K, the
  * group size and the ISA level in use (never on T, N, the other rows or the thread split; x's
@@ -96,6 +97,7 @@
 #include "isa.h"
 #include "quant_gemv.h"
 #include "quant_gemv_bf16.h"
+#include "quant_gemv_vnni.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -919,6 +921,27 @@ static void gemv_planned(const qweight *w, int layout, const float *x, int64_t x
     else gemv(w, plan.rows, x, xs, bias, y, t, threads);
 }
 
+/* gemv for INT8 without VNNI: the plan's rows (AVX-512 where int8_sums_fit, against x with its
+ * group sums). */
+static void gemv_int8_f32(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                          int threads) {
+    gemv_planned(w, L_INT8, x, xs, bias, y, t, threads);
+}
+
+/* gemv for INT8: the tokens the VNNI kernel takes through it, each other token (a non-finite or
+ * tiny x: quant_gemv_vnni.c) through gemv_int8_f32 alone, so the kernel of a token depends on its
+ * x only. */
+static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                      int threads) {
+    int64_t j = 0;
+    for (int64_t run; j < t && (run = int8_vnni_gemv(w->q, w->scales, w->zeros, w->g, x + j * xs, xs, bias,
+                                                     y + j * w->n, t - j, w->n, w->k, threads)) >= 0;) {
+        j += run;
+        if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, 1, threads), j++;
+    }
+    if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, t - j, threads);
+}
+
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
     tables();
     const int64_t n = r1 - r0;
@@ -947,12 +970,12 @@ void zllm_qdecode_fp8(const uint8_t *q, const float *scale, int64_t bn, int64_t 
     decode(&w, decode_fp8, r0, r1, out, threads);
 }
 
-#define INT_ENTRIES(NAME, LAYOUT, ROW_BYTES)                                                         \
+#define INT_ENTRIES(NAME, GEMV, ROW_BYTES)                                                           \
 void zllm_qgemv_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,      \
                        const float *x, int64_t xs, const float *bias, float *y, int64_t t,          \
                        int64_t n, int64_t k, int threads) {                                         \
     const qweight w = {q, scales, zeros, 0.0f, n, k, g, 1, ROW_BYTES, (k + g - 1) / g};             \
-    gemv_planned(&w, LAYOUT, x, xs, bias, y, t, threads);                                          \
+    GEMV(&w, x, xs, bias, y, t, threads);                                                           \
 }                                                                                                   \
 void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,    \
                          int64_t n, int64_t k, int64_t r0, int64_t r1, float *out, int threads) {   \
@@ -960,8 +983,13 @@ void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *z
     decode(&w, decode_##NAME, r0, r1, out, threads);                                                \
 }
 
-INT_ENTRIES(int4, L_INT4, k / 2)
-INT_ENTRIES(int8, L_INT8, k)
+static void gemv_int4(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                      int threads) {
+    gemv_planned(w, L_INT4, x, xs, bias, y, t, threads);
+}
+
+INT_ENTRIES(int4, gemv_int4, k / 2)
+INT_ENTRIES(int8, gemv_int8, k)
 
 void zllm_qgemv_mxfp4(const uint8_t *q, const uint8_t *scales, const float *x, int64_t xs, const float *bias,
                       float *y, int64_t t, int64_t n, int64_t k, int threads) {

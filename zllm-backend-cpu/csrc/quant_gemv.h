@@ -43,8 +43,9 @@ typedef struct {
 } qgemv_plan;
 
 /* The plan of weight w of `layout` (its shape and group size decide it) at the ISA level in
- * use; fills the decode tables on first use. FP8 plans the f32 rows: the BF16 rows of
- * quant_gemv_bf16.c are a whole GEMV (x split per call), taken by zllm_qgemv_fp8 alone. */
+ * use; fills the decode tables on first use. FP8 and INT8 plan the f32 rows: the BF16 rows of
+ * quant_gemv_bf16.c and the VNNI rows of quant_gemv_vnni.c are whole GEMVs (x split per call),
+ * taken by zllm_qgemv_fp8 / zllm_qgemv_int8 alone. */
 __attribute__((visibility("hidden"))) qgemv_plan qgemv_plan_of(const qweight *w, int layout);
 
 #endif

@@ -38,6 +38,8 @@ from test_cpu_quant_gemv import CASES, assert_close_to_reference, make_case, ran
 
 from zllm.conformance.cases import make_expert_stack  # noqa: E402
 from zllm.domain.moe_biased import moe_clamped_swiglu  # noqa: E402
+from zllm.domain.quant import dequantize  # noqa: E402
+from zllm.weights.formats import QuantizedTensor  # noqa: E402
 from zllm_backend_cpu.kernels import gemv, quant_gemv  # noqa: E402
 from zllm_backend_cpu.kernels.moe_gemv import moe_clamped_swiglu_gemv, moe_experts  # noqa: E402
 
@@ -202,6 +204,102 @@ def test_hf_layouts_give_each_row_the_same_bits_alone_or_in_a_batch_at_each_leve
         batch = quant_gemv.linear_quant_gemv_invariant(x, w, None)
         alone = torch.cat([quant_gemv.linear_quant_gemv_invariant(x[i:i + 1], w, None) for i in range(7)])
     assert torch.equal(batch, alone)
+
+
+def identity_int8(k: int) -> QuantizedTensor:
+    """The ``int8_g`` weight ``[K, K]`` with w = I (q one-hot, scale 1, no zero point): y = x, or the
+    x an INT8 kernel computes with."""
+    q = torch.eye(k, dtype=torch.uint8)
+    return QuantizedTensor({"qweight": q, "scales": torch.ones(k, 1), "zeros": torch.zeros(k, 1, dtype=torch.uint8)},
+                           "int8_g", (k, k), block=(1, k))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), k64=st.integers(1, 5))
+def test_int8_rows_hold_x_to_2_to_the_minus_28_of_its_max_at_each_level(level, data, k64):
+    # AVX-512 with K a multiple of 64: x as four int8 digits below a power of two per block
+    # (csrc/quant_gemv_vnni.c), |x - held| < max|x| 2^-21 / 127; held then rounded to f32 once.
+    # AVX2: x exactly. Any finite x: wide exponent ranges, zeros, subnormals, outliers.
+    k = 64 * k64
+    x = torch.tensor(data.draw(st.lists(st.floats(-(2.0**100), 2.0**100, width=32), min_size=k, max_size=k)))[None]
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, identity_int8(k), None)
+    x64, err = x.double(), (got.double() - x.double()).abs()
+    bound = x64.abs().max() * 2.0**-21 / 127 + (x64.abs() + x64.abs().max() * 2.0**-28) * 2.0**-24
+    assert (err <= bound).all(), (err - bound).max()
+
+
+def assert_close_in_the_kernels_terms(got: torch.Tensor, x: torch.Tensor, w: QuantizedTensor):
+    """Within 1e-6 of the f64 result relative to the INT8 kernels' terms, sum over groups of s (sum q |x|
+    + z |sum x|) (s (sum q x - z sum x) at AVX-512: an outlier in x, or a large x sum against the zero
+    points, can leave y itself far smaller)."""
+    q, s, z = (w.parts[p].double() for p in ("qweight", "scales", "zeros"))
+    (n, k), groups, t = w.shape, s.shape[1], x.shape[0]
+    xg = x.double().view(t, groups, k // groups)
+    qx = torch.einsum("tgc,ngc->tng", xg.abs(), q.view(n, groups, k // groups))
+    terms = (s[None] * (qx + z[None] * xg.sum(-1).abs()[:, None, :])).sum(-1)
+    ref = x.double() @ dequantize(w).double().t()
+    assert ((got.double() - ref).abs() <= 1e-6 * terms).all()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@settings(max_examples=25, deadline=None)
+@given(group=st.sampled_from([64, 128, 192, None]), t=st.sampled_from([1, 2, 3, 5]), n=st.sampled_from([1, 7, 40]),
+       k64=st.integers(1, 12), zero_point=st.booleans(), outliers=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_int8_rows_with_outliers_in_x_stay_within_the_reference_tolerance_at_each_level(
+        level, group, t, n, k64, zero_point, outliers, seed):
+    # K a multiple of 64: the VNNI kernel at AVX-512 (csrc/quant_gemv_vnni.c), per channel or in groups
+    g = torch.Generator().manual_seed(seed)
+    k = 64 * k64
+    w = random_weight("int8_g", n, k, g, (1, group if group and k % group == 0 else k), zero_point=zero_point)
+    x = torch.randn(t, k, generator=g) + 0.5
+    for _ in range(outliers):  # one |x| 1000x the rest, in a random column of each token
+        x[torch.arange(t), torch.randint(0, k, (t,), generator=g)] *= -1000.0
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, w, None)
+    if not outliers:  # with one, f32 rounding of q x ~ 1000 s q before z sum x cancels it can exceed 1e-5 of y
+        assert_close_to_reference(got, x, w, None)
+    assert_close_in_the_kernels_terms(got, x, w)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 2.0**-110])
+def test_an_int8_token_the_vnni_digits_cannot_hold_takes_the_f32_kernel_alone_at_each_level(level, bad):
+    # a non-finite x, or a block whose max |x| is under 2^-99 (the last digit's weight would be
+    # subnormal): that token by quant_gemv.c's kernels, the others' bits as when alone
+    g = torch.Generator().manual_seed(9)
+    w = random_weight("int8_g", 24, 256, g, (1, 128))
+    x = torch.randn(3, 256, generator=g)
+    x[1] = x[1] * 2.0**-110 if bad == 2.0**-110 else x[1].index_fill(0, torch.tensor([77]), bad)
+    with at_level(level):
+        got = quant_gemv.quant_gemv(x, w, None)
+        alone = torch.cat([quant_gemv.quant_gemv(x[i:i + 1], w, None) for i in (0, 2)])
+    assert torch.equal(got[[0, 2]], alone)
+    ref = x[1:2].double() @ dequantize(w).double().t()
+    if bad == 2.0**-110:  # scaled back up: the f32 kernel's relative accuracy
+        torch.testing.assert_close(got[1:2].double() * 2.0**110, ref * 2.0**110, atol=1e-5, rtol=1e-5)
+    else:  # inf: the f32 kernels at AVX-512 give NaN (q inf - z inf), the reference +-inf
+        assert not ref.isfinite().any() and not got[1:2].isfinite().any()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("group", [128, None])
+def test_int8_rows_in_64_column_multiples_give_the_same_bits_on_one_thread_and_two_at_each_level(level, group):
+    g = torch.Generator().manual_seed(12)
+    w = random_weight("int8_g", 1500, 640, g, (1, group or 640))  # 1500 x 640 bytes: past the one-thread limit
+    x = torch.randn(3, 640, generator=g)
+    saved = torch.get_num_threads()
+    with at_level(level):
+        try:
+            torch.set_num_threads(1)
+            one = quant_gemv.quant_gemv(x, w, None)
+            torch.set_num_threads(2)
+            two = quant_gemv.quant_gemv(x, w, None)
+        finally:
+            torch.set_num_threads(saved)
+    assert one.abs().sum() > 0 and torch.equal(one, two)
+    assert_close_to_reference(two, x, w, None)
 
 
 def test_the_setting_allows_avx512_unless_it_says_avx2():
