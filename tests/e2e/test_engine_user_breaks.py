@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import gguf
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import zllm
-from tests.cli.conftest import ZLLM
+from tests.cli.conftest import assert_run_ends_with_one_error, put_nan_in_weight
 from tests.conftest import CONFIGS, MODEL_DIR, write_config
 from zllm.spec.errors import CheckpointError, ConfigError, RequestError
 
@@ -186,18 +185,7 @@ def test_bad_gguf_metadata_value_names_the_key(tmp_path, key, value, vtype):
 def test_nan_in_a_dense_weight_ends_zllm_run_with_one_error_line_and_exit_3(tmp_path):
     # The logits of every step are checked (one sum): a NaN weight made every token id 0 and
     # `zllm run` printed empty text with exit 0.
-    from safetensors.torch import load_file, save_file
-
     ckpt = tmp_path / "ckpt"
     shutil.copytree(HF_DIR, ckpt)
-    shard = next(ckpt.glob("*.safetensors"))
-    tensors = load_file(shard)
-    name = next(n for n in tensors if n.endswith("layers.0.mlp.down_proj.weight"))
-    tensors[name][0, 0] = float("nan")
-    save_file(tensors, shard, metadata={"format": "pt"})
-    run = subprocess.run([*ZLLM, "run", "--config", str(write_config(tmp_path, ckpt)), "--max-new-tokens", "2"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 3, run.stderr
-    assert "Traceback" not in run.stderr
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "logits are not finite" in errors[0], run.stderr
+    put_nan_in_weight(ckpt, "layers.0.mlp.down_proj.weight")
+    assert_run_ends_with_one_error(write_config(tmp_path, ckpt), "logits are not finite")

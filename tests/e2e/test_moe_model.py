@@ -10,7 +10,7 @@ import subprocess
 import openai
 
 import zllm
-from tests.cli.conftest import ZLLM
+from tests.cli.conftest import ZLLM, assert_run_ends_with_one_error, put_nan_in_weight
 from tests.concurrent_requests import run_together
 from tests.conftest import write_config
 from tests.parity.test_moe_vs_transformers import save_moe
@@ -83,17 +83,6 @@ def test_a_backend_without_moe_is_refused_naming_the_capability_before_weights_a
 def test_nan_in_the_router_weight_ends_zllm_run_with_one_error_line_and_exit_3(tmp_path):
     # Finding a NaN at load would read every mapped weight; the router sees it on the first
     # forward, the engine loop ends, and the command says so in one line (it printed a traceback).
-    from safetensors.torch import load_file, save_file
-
     _, path = save_moe(tmp_path, CASE)
-    shard = next(path.glob("*.safetensors"))
-    tensors = load_file(shard)
-    name = next(n for n in tensors if n.endswith("mlp.gate.weight"))
-    tensors[name][0, 0] = float("nan")
-    save_file(tensors, shard, metadata={"format": "pt"})
-    run = subprocess.run([*ZLLM, "run", "--config", str(write_config(tmp_path, path)), "--max-new-tokens", "2"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 3, run.stderr
-    assert "Traceback" not in run.stderr
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "router logits are not finite" in errors[0], run.stderr
+    put_nan_in_weight(path, "mlp.gate.weight")
+    assert_run_ends_with_one_error(write_config(tmp_path, path), "router logits are not finite")
