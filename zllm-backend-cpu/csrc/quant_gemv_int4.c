@@ -1,0 +1,155 @@
+/* INT4 rows of the HF kernel layout (int4_g, quant_gemv.c) at the AVX2 level through vpmaddubsw
+ * integer dot products, keeping f32-class activations: y[T, N] = x[T, K] @ W[N, K]^T (+ bias),
+ * x and y f32, q uint8 [N, K / 2] (byte j: low nibble = column 2j, high = 2j + 1),
+ * w[n, k] = scales[n, k / g] * (q[n, k] - zeros[n, k / g]).
+ *
+ * x as exact int8 digits (quant_digits.c, once per call, per token and per block of up to
+ * DIGITS_BLOCK = 256 columns inside one scale group): x = d (a0 + a1 2^-7 + a2 2^-14 + a3 2^-21)
+ * + r, d a power of two, |a0| <= 127, |a1 .. a3| <= 64, |r| ~ 2^-28 of the block's max |x|; per
+ * 64 columns each digit's 32 even columns, then its 32 odd ones (DIGITS_NIBBLES), the order of
+ * the nibbles of a 32-byte load of q: the low nibbles (one AND) are the even columns, the high
+ * nibbles (a 16-bit shift and an AND) the odd ones, no unpacking.
+ *
+ * Per 64 columns: one load, an AND, a shift and an AND, then per token and digit two vpmaddubsw
+ * (q 0 .. 15 the unsigned operand, the digits the signed one: int16 pair sums, at most 2 * 15 *
+ * 127 = 3810) and two int16 additions into the digit's accumulator: 20 vector operations per
+ * token, where quant_gemv.c's dot_lanes decodes each nibble to f32 and takes an FMA (36). A block
+ * of 256 columns adds 8 pair sums per int16 lane (at most 30480 < 2^15); per block each digit's
+ * accumulator is widened by vpmaddwd against 2^7 (a0, a2) or 1 (a1, a3), pairs added: int32 lane
+ * j holds hi = 2^7 c0 + c1 and lo = 2^7 c2 + c3 over columns 8j .. 8j + 7 of each 64-column step
+ * (|hi|, |lo| < 2^23: exact in f32), then hi d 2^-7 + lo d 2^-21 (exact product, one rounded FMA)
+ * minus z times the lane's x sum (quant_digits.c's lane sums, one FNMADD: the zero point once a
+ * lane, the rounding relative to the lane's sum |q x| + z |sum x|, as dot_lanes' per-lane sums)
+ * into the group's 8-lane f32 sum; per group that sum times the scale into an 8-lane row total:
+ * s (sum q x - z sum x); then common.h's horizontal sum and + bias. Against the f64 result the
+ * error is f32-class, the same as dot_lanes' (tests: 1e-5 relative, x with outliers and sums far
+ * from 0 included).
+ *
+ * Applies at the AVX2 level (native_isa_level below ISA_AVX512, or ZLLM_NATIVE_ISA=avx2) where K
+ * and g are multiples of 64 (per-channel rows: g >= K); else quant_gemv.c's kernels take the call
+ * (AVX-512 keeps its lane kernels). A token whose x holds a non-finite value, or a block whose max
+ * |x| is nonzero but under 2^-99, goes to them alone (quant_gemv.c's gemv_digits): a token's
+ * kernel depends on its own x only.
+ *
+ * Measured (bench/quant_gemv.py --repeats 15 --prefill 0 --layers 4, llama-0.5b shapes, groups of
+ * 128 with zero points, AVX2-only AMD EPYC (Zen 3), shared machine, median tok/s): see the
+ * MEASURED paragraph of quant_gemv.c's file comment and docs/performance.md.
+ *
+ * Order: a row's result depends only on its quants, scales and zero points, its token's x, K, g
+ * and DIGITS_BLOCK, never on T, N, the other rows or the thread split. Tokens go two at a time
+ * through one load of a row, each token's accumulators taking the same operations as alone.
+ * Threads: work items of about I4_CHUNK_BYTES of weights, handed out dynamically (quant_gemv.c).
+ */
+#include "common.h"
+#include "isa.h"
+#include "quant_digits.h"
+#include "quant_gemv_int4.h"
+
+#include <stdlib.h>
+
+#define I4_TOKENS 2
+#define I4_CHUNK_BYTES (64 << 10) /* weight bytes per work item, as quant_gemv.c */
+#define I4_PREFETCH 2048
+
+/* The columns [c0, c1) of a row (one block, a multiple of 64 columns, row the row's bytes) against
+ * TT tokens' digits at dg (tokens L->stride bytes apart) -> s[t], the block's 8 lane sums of
+ * q x as f32, minus z (zf) times the lanes' x sums where zf is not NULL. */
+INLINE void block_int4(const digits_layout *L, const uint8_t *row, const uint8_t *dg, int64_t c0, int64_t c1,
+                       int64_t b, const __m256 *zf, const int TT, __m256 s[I4_TOKENS]) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i a[I4_TOKENS][DIGITS_N];
+    for (int t = 0; t < TT; t++)
+        for (int i = 0; i < DIGITS_N; i++) a[t][i] = _mm256_setzero_si256();
+    const uint8_t *qp = row + c0 / 2, *qe = row + c1 / 2, *dp = dg + 4 * c0;
+    for (; qp < qe; qp += 32, dp += 256) {
+        _mm_prefetch((const char *)qp + I4_PREFETCH, _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)qp);
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int t = 0; t < TT; t++)
+            for (int i = 0; i < DIGITS_N; i++) {
+                const uint8_t *d = dp + t * L->stride + 64 * i;
+                const __m256i even = _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)d));
+                const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)(d + 32)));
+                a[t][i] = _mm256_add_epi16(a[t][i], _mm256_add_epi16(even, odd));
+            }
+    }
+    const __m256i w7 = _mm256_set1_epi16(128), w0 = _mm256_set1_epi16(1);
+    for (int t = 0; t < TT; t++) {
+        const uint8_t *dt = dg + t * L->stride;
+        const float *wb = (const float *)(dt + L->w_at) + 2 * b;
+        const __m256i h = _mm256_add_epi32(_mm256_madd_epi16(a[t][0], w7), _mm256_madd_epi16(a[t][1], w0));
+        const __m256i l = _mm256_add_epi32(_mm256_madd_epi16(a[t][2], w7), _mm256_madd_epi16(a[t][3], w0));
+        s[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(wb[0]),
+                               _mm256_mul_ps(_mm256_cvtepi32_ps(l), _mm256_set1_ps(wb[1])));
+        if (zf) s[t] = _mm256_fnmadd_ps(*zf, _mm256_loadu_ps((const float *)(dt + L->sums_at) + 8 * b), s[t]);
+    }
+}
+
+/* Row r (its bytes row, scales sf, zero points zr or NULL) times TT tokens' digits -> y[t]
+ * (file comment). */
+INLINE void dot_int4(const digits_layout *L, const uint8_t *row, const float *sf, const uint8_t *zr,
+                     const uint8_t *dg, float *y, const int TT) {
+    const int64_t k = L->k, g = L->g;
+    __m256 tot[I4_TOKENS];
+    for (int t = 0; t < TT; t++) tot[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (int64_t gi = 0; gi < L->ng; gi++) {
+        const int64_t c0 = gi * g, ge = c0 + g < k ? c0 + g : k;
+        const __m256 zv = _mm256_set1_ps(zr ? (float)zr[gi] : 0.0f);
+        const __m256 *zf = zr ? &zv : 0;
+        __m256 gs[I4_TOKENS];
+        int64_t c1 = c0 + DIGITS_BLOCK < ge ? c0 + DIGITS_BLOCK : ge;
+        block_int4(L, row, dg, c0, c1, b++, zf, TT, gs);
+        for (int64_t cb; c1 < ge; c1 = cb, b++) {
+            cb = c1 + DIGITS_BLOCK < ge ? c1 + DIGITS_BLOCK : ge;
+            __m256 s[I4_TOKENS];
+            block_int4(L, row, dg, c1, cb, b, zf, TT, s);
+            for (int t = 0; t < TT; t++) gs[t] = _mm256_add_ps(gs[t], s[t]);
+        }
+        const __m256 sc = _mm256_set1_ps(sf[gi]);
+        for (int t = 0; t < TT; t++) tot[t] = _mm256_fmadd_ps(gs[t], sc, tot[t]);
+    }
+    for (int t = 0; t < TT; t++) y[t] = hsum(tot[t]);
+}
+
+/* Rows [r0, r1) times all T tokens' digits -> y [T, N]. */
+static void rows_int4(const digits_layout *L, const uint8_t *q, const float *scales, const uint8_t *zeros,
+                      const uint8_t *dg, const float *bias, float *y, int64_t n, int64_t t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = q + r * (L->k / 2), *zr = zeros ? zeros + r * L->ng : 0;
+        const float *sf = scales + r * L->ng;
+        float v[I4_TOKENS];
+        int64_t j = 0;
+        for (; j + I4_TOKENS <= t; j += I4_TOKENS) {
+            dot_int4(L, row, sf, zr, dg + j * L->stride, v, I4_TOKENS);
+            for (int i = 0; i < I4_TOKENS; i++) y[(j + i) * n + r] = bias ? v[i] + bias[r] : v[i];
+        }
+        if (j < t) {
+            dot_int4(L, row, sf, zr, dg + j * L->stride, v, 1);
+            y[j * n + r] = bias ? v[0] + bias[r] : v[0];
+        }
+    }
+}
+
+/* quant_gemv_int4.h: the leading tokens whose x digits_split_token holds, through rows_int4. */
+int64_t int4_digits_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
+                         int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
+    if (native_isa_level >= ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || t <= 0 || n <= 0)
+        return -1;
+    const digits_layout L = digits_layout_of(k, g, DIGITS_NIBBLES);
+    uint8_t *dg = aligned_alloc(64, (size_t)(t * L.stride));
+    if (!dg) return -1;
+    int64_t run = 0;
+    while (run < t && digits_split_token(&L, x + run * xs, dg + run * L.stride)) run++;
+    const int64_t per = I4_CHUNK_BYTES / (k / 2), rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
+    int nth = threads < items ? threads : (int)items;
+    if (n * (k / 2) * run < GEMV_PARALLEL_MIN_WORK) nth = 1;
+    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+    if (run > 0) {
+#pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++)
+            rows_int4(&L, q, scales, zeros, dg, bias, y, n, run, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n);
+    }
+    free(dg);
+    return run;
+}
