@@ -61,7 +61,13 @@
  * s (sum q x - z sum x), as the INT4 chunk kernels apply theirs. Three vector operations per 16
  * weights instead of four; measured (bench/quant_gemv.py --threads 1, ratio to Q8_0 at AVX-512)
  * in docs/performance.md. Where K and the groups are multiples of 64, quant_gemv_vnni.c takes
- * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). FP8 keeps
+ * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). At the AVX2
+ * level, INT4 rows with K a multiple of 64 and groups of at least 128 columns (multiples of 64, or
+ * one per row) go first to quant_gemv_int4.c (the same digits, quant_digits.c, against the nibbles
+ * by vpmaddubsw; gemv_int4): per call 1.45-1.74x the lane kernels' speed at T = 1, 1.07-1.25x
+ * at T = 2 (its file comment; bench/quant_gemv.py int4_g / Q4_0 at AVX2 0.63x -> 0.80x). The
+ * lane kernels below keep the other INT4 shapes, the tokens the digits cannot hold and the MoE
+ * rows (moe.c plans the f32 rows). FP8 keeps
  * its five (sign extension, shift, mask, F16C conversion, FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
  *
  * Order: every output element is reduced in an order that depends only on the layout, K, the

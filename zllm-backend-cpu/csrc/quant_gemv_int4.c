@@ -12,28 +12,38 @@
  *
  * Per 64 columns: one load, an AND, a shift and an AND, then per token and digit two vpmaddubsw
  * (q 0 .. 15 the unsigned operand, the digits the signed one: int16 pair sums, at most 2 * 15 *
- * 127 = 3810) and two int16 additions into the digit's accumulator: 20 vector operations per
- * token, where quant_gemv.c's dot_lanes decodes each nibble to f32 and takes an FMA (36). A block
- * of 256 columns adds 8 pair sums per int16 lane (at most 30480 < 2^15); per block each digit's
- * accumulator is widened by vpmaddwd against 2^7 (a0, a2) or 1 (a1, a3), pairs added: int32 lane
- * j holds hi = 2^7 c0 + c1 and lo = 2^7 c2 + c3 over columns 8j .. 8j + 7 of each 64-column step
- * (|hi|, |lo| < 2^23: exact in f32), then hi d 2^-7 + lo d 2^-21 (exact product, one rounded FMA)
- * minus z times the lane's x sum (quant_digits.c's lane sums, one FNMADD: the zero point once a
- * lane, the rounding relative to the lane's sum |q x| + z |sum x|, as dot_lanes' per-lane sums)
- * into the group's 8-lane f32 sum; per group that sum times the scale into an 8-lane row total:
- * s (sum q x - z sum x); then common.h's horizontal sum and + bias. Against the f64 result the
- * error is f32-class, the same as dot_lanes' (tests: 1e-5 relative, x with outliers and sums far
- * from 0 included).
+ * 127 = 3810) and two int16 additions into the digit's accumulator: 19 vector operations for one
+ * token, where quant_gemv.c's dot_lanes decodes each nibble to f32 and takes an FMA (~33 with its
+ * per-lane scale and zero point). A block of 256 columns adds 8 pair sums per int16 lane (at most
+ * 30480 < 2^15); per block each digit's accumulator is widened by vpmaddwd against 2^7 (a0, a2)
+ * or 1 (a1, a3), pairs added: int32 lane j holds hi = 2^7 c0 + c1 and lo = 2^7 c2 + c3 over
+ * columns 8j .. 8j + 7 of each 64-column step (|hi|, |lo| < 2^23: exact in f32), then hi d 2^-7 +
+ * lo d 2^-21 (exact product, one rounded FMA) minus z times the lane's x sum (quant_digits.c's lane
+ * sums, one FNMADD: the zero point once a lane, the rounding relative to the lane's sum |q x| + z
+ * |sum x|, as dot_lanes' per-lane sums) into the group's 8-lane f32 sum; per group that sum times
+ * the scale into an 8-lane row total: s (sum q x - z sum x); then common.h's horizontal sum and +
+ * bias. Against the f64 result the error is f32-class, at most dot_lanes' (tests: 1e-5 relative;
+ * 1e-6 of sum s (q + z) |x| with outliers and x sums far from 0).
  *
  * Applies at the AVX2 level (native_isa_level below ISA_AVX512, or ZLLM_NATIVE_ISA=avx2) where K
- * and g are multiples of 64 (per-channel rows: g >= K); else quant_gemv.c's kernels take the call
- * (AVX-512 keeps its lane kernels). A token whose x holds a non-finite value, or a block whose max
- * |x| is nonzero but under 2^-99, goes to them alone (quant_gemv.c's gemv_digits): a token's
- * kernel depends on its own x only.
+ * is a multiple of 64 and the groups are multiples of 64 of at least 128 columns (or one per row
+ * of at least 128); else quant_gemv.c's kernels take the call (AVX-512 keeps its lane kernels).
+ * Groups of 64 are left out: there the per-group widening, conversion and scaling (~25 operations
+ * a token) take most of what the steps save (1.18x dot_lanes' speed at T = 1, 0.81x at T = 2). A token
+ * whose x holds a non-finite value, or a block whose max |x| is nonzero but under 2^-99, goes to
+ * the f32 kernels alone (quant_gemv.c's gemv_digits): a token's kernel depends on its own x only.
  *
- * Measured (bench/quant_gemv.py --repeats 15 --prefill 0 --layers 4, llama-0.5b shapes, groups of
- * 128 with zero points, AVX2-only AMD EPYC (Zen 3), shared machine, median tok/s): see the
- * MEASURED paragraph of quant_gemv.c's file comment and docs/performance.md.
+ * Measured (docs/performance.md, 2026-12-03, AVX2-only AMD EPYC (Zen 3), 2 shared cores): per call,
+ * one thread, CPU time, against dot_lanes, N x K 3328 x 1280 / 1280 x 3328: groups of 128 1.45x /
+ * 1.50x at T = 1 and 1.07x / 1.08x at T = 2, groups of 256 1.66x / 1.74x and 1.23x / 1.25x, per
+ * channel 1.62x / 1.67x and 1.13x / 1.19x. bench/quant_gemv.py --repeats 15 --prefill 0 --layers 4
+ * (groups of 128; three runs): int4_g / Q4_0 0.62-0.64x -> 0.79-0.81x at one thread (tok/s
+ * 1.18-1.31x), 0.62-0.64x -> 0.76-0.81x at two (1.22-1.27x). The operation count, not the
+ * vpmaddubsw throughput, bounds it on this machine (replacing every vpmaddubsw by a byte addition,
+ * or the digit loads by constants, left the time unchanged; unrolling a group's steps and keeping
+ * the accumulators in registers gained 1.2x): groups of 128 pay the per-group steps on every 128
+ * columns, and two tokens share only the load and the nibble split, where dot_lanes shares its
+ * whole decode.
  *
  * Order: a row's result depends only on its quants, scales and zero points, its token's x, K, g
  * and DIGITS_BLOCK, never on T, N, the other rows or the thread split. Tokens go two at a time
@@ -121,7 +131,7 @@ INLINE void dot_blocks(const digits_layout *L, const uint8_t *row, const float *
         int64_t steps = (left < L->g ? left : L->g) / 64; /* the group's */
         left -= 64 * steps;
         const __m256 zv = ZP ? _mm256_set1_ps((float)zr[gi]) : _mm256_setzero_ps();
-        __m256 gs[I4_TOKENS];
+        __m256 gs[I4_TOKENS] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* set by the first block */
         for (int first = 1; steps > 0; first = 0) {
             const int64_t bs = steps < DIGITS_BLOCK / 64 ? steps : DIGITS_BLOCK / 64;
             __m256 s[I4_TOKENS];
