@@ -1,10 +1,11 @@
-"""INT4 rows (``int4_g``) with K and the groups multiples of 64: at the AVX2 level the quants are
-multiplied by x split into four exact int8 digits (``csrc/quant_gemv_int4.c``,
-``csrc/quant_digits.c``: x held to 2^-28 of its block's max), at AVX-512 by f32 x (the lane
-kernels of ``csrc/quant_gemv.c``). Both against the f64 result of dequantize-then-matmul: groups
-of 64 / 128 / per channel, with and without zero points, T 1-3, outliers in x, tiny x; tokens the
-digits cannot hold (inf, NaN, a block's max under 2^-99) alone through the f32 kernels; the same
-bits for any T and thread count."""
+"""INT4 rows (``int4_g``) with K a multiple of 64: at the AVX2 level, with groups of at least 128
+columns, the quants are multiplied by x split into four exact int8 digits
+(``csrc/quant_gemv_int4.c``, ``csrc/quant_digits.c``: x held to 2^-28 of its block's max); groups
+of 64 and the AVX-512 level multiply by f32 x (the lane kernels of ``csrc/quant_gemv.c``). All
+against the f64 result of dequantize-then-matmul: groups of 64 / 128 / per channel, with and
+without zero points, T 1-3, outliers in x, tiny and large x; tokens the digits cannot hold (inf,
+NaN, a block's max under 2^-99) alone through the f32 kernels; the same bits for any T and thread
+count."""
 
 from __future__ import annotations
 
@@ -95,10 +96,10 @@ def test_int4_rows_with_outliers_in_x_stay_within_the_kernels_terms_at_each_leve
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), k64=st.integers(1, 5))
 def test_int4_rows_hold_x_to_2_to_the_minus_28_of_its_max_at_each_level(level, data, k64):
-    # AVX2: x as four int8 digits below a power of two per block of up to 256 columns,
-    # |x - held| < max|x| 2^-21 / 127 (blocks of one group: here one per row, the max over the
-    # first 256 columns or the rest); held then rounded to f32 once. AVX-512, and a token with a
-    # block max under 2^-99: x exactly. Any finite x: wide exponent ranges, zeros, subnormals, outliers.
+    # AVX2 with K >= 128 (one group a row): x as four int8 digits below a power of two per block of
+    # up to 256 columns, |x - held| < max|x| 2^-21 / 127 (the max over the first 256 columns, the
+    # next 256 ...); held then rounded to f32 once. AVX-512, K 64, and a token with a block max
+    # under 2^-99: x exactly. Any finite x: wide exponent ranges, zeros, subnormals, outliers.
     k = 64 * k64
     x = torch.tensor(data.draw(st.lists(st.floats(-(2.0**100), 2.0**100, width=32), min_size=k, max_size=k)))[None]
     with at_level(level):
