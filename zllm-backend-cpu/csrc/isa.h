@@ -5,7 +5,9 @@
  * where the CPU has all of ISA_AVX512_FLAGS. At the AVX-512 level the FP8 rows of the HF layouts
  * take BF16 dot products (quant_gemv_bf16.c) where the CPU also has ISA_AVX512_BF16_FLAGS'
  * additions (native_fp8_bf16), and INT8 rows with K and the groups multiples of 64 take VNNI dot
- * products against x as exact int8 digits (quant_gemv_vnni.c). */
+ * products against x as exact int8 digits (quant_gemv_vnni.c). At the AVX2 level INT4 rows with K
+ * and the groups multiples of 64 take vpmaddubsw dot products against the same digits
+ * (quant_gemv_int4.c). */
 #ifndef ZLLM_NATIVE_ISA_H
 #define ZLLM_NATIVE_ISA_H
 

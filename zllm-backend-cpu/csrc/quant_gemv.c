@@ -61,7 +61,13 @@
  * s (sum q x - z sum x), as the INT4 chunk kernels apply theirs. Three vector operations per 16
  * weights instead of four; measured (bench/quant_gemv.py --threads 1, ratio to Q8_0 at AVX-512)
  * in docs/performance.md. Where K and the groups are multiples of 64, quant_gemv_vnni.c takes
- * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). FP8 keeps
+ * INT8 rows first (x as exact int8 digits against the quants by vpdpbusd; gemv_int8). At the AVX2
+ * level, INT4 rows with K a multiple of 64 and groups of at least 128 columns (multiples of 64, or
+ * one per row) go first to quant_gemv_int4.c (the same digits, quant_digits.c, against the nibbles
+ * by vpmaddubsw; gemv_int4): per call 1.45-1.74x the lane kernels' speed at T = 1, 1.07-1.25x
+ * at T = 2 (its file comment; bench/quant_gemv.py int4_g / Q4_0 at AVX2 0.63x -> 0.80x). The
+ * lane kernels below keep the other INT4 shapes, the tokens the digits cannot hold and the MoE
+ * rows (moe.c plans the f32 rows). FP8 keeps
  * its five (sign extension, shift, mask, F16C conversion, FMA): a lookup of 128 magnitudes by vpermi2ps takes four 32-entry lookups per 16 weights.
  *
  * Order: every output element is reduced in an order that depends only on the layout, K, the
@@ -97,6 +103,7 @@
 #include "isa.h"
 #include "quant_gemv.h"
 #include "quant_gemv_bf16.h"
+#include "quant_gemv_int4.h"
 #include "quant_gemv_vnni.h"
 
 #include <stdlib.h>
@@ -928,18 +935,32 @@ static void gemv_int8_f32(const qweight *w, const float *x, int64_t xs, const fl
     gemv_planned(w, L_INT8, x, xs, bias, y, t, threads);
 }
 
-/* gemv for INT8: the tokens the VNNI kernel takes through it, each other token (a non-finite or
- * tiny x: quant_gemv_vnni.c) through gemv_int8_f32 alone, so the kernel of a token depends on its
- * x only. */
+/* A whole-GEMV kernel against x as integer digits (quant_gemv_vnni.h, quant_gemv_int4.h): y for
+ * the leading tokens whose x the digits hold, their count, or -1 where it does not apply. */
+typedef int64_t (*digits_gemv_fn)(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,
+                                  const float *x, int64_t xs, const float *bias, float *y, int64_t t, int64_t n,
+                                  int64_t k, int threads);
+typedef void (*f32_gemv_fn)(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                            int threads);
+
+/* gemv of an INT weight: the tokens the digits kernel takes through it, each other token (a
+ * non-finite or tiny x: quant_digits.c) through the f32 kernels alone, so the kernel of a token
+ * depends on its x only. */
+static void gemv_digits(const qweight *w, digits_gemv_fn digits, f32_gemv_fn f32, const float *x, int64_t xs,
+                        const float *bias, float *y, int64_t t, int threads) {
+    int64_t j = 0;
+    for (int64_t run; j < t && (run = digits(w->q, w->scales, w->zeros, w->g, x + j * xs, xs, bias, y + j * w->n,
+                                             t - j, w->n, w->k, threads)) >= 0;) {
+        j += run;
+        if (j < t) f32(w, x + j * xs, xs, bias, y + j * w->n, 1, threads), j++;
+    }
+    if (j < t) f32(w, x + j * xs, xs, bias, y + j * w->n, t - j, threads);
+}
+
+/* gemv for INT8: the VNNI kernel at AVX-512 (quant_gemv_vnni.c), else gemv_int8_f32. */
 static void gemv_int8(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
                       int threads) {
-    int64_t j = 0;
-    for (int64_t run; j < t && (run = int8_vnni_gemv(w->q, w->scales, w->zeros, w->g, x + j * xs, xs, bias,
-                                                     y + j * w->n, t - j, w->n, w->k, threads)) >= 0;) {
-        j += run;
-        if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, 1, threads), j++;
-    }
-    if (j < t) gemv_int8_f32(w, x + j * xs, xs, bias, y + j * w->n, t - j, threads);
+    gemv_digits(w, int8_vnni_gemv, gemv_int8_f32, x, xs, bias, y, t, threads);
 }
 
 static void decode(const qweight *w, decode_fn fn, int64_t r0, int64_t r1, float *out, int threads) {
@@ -983,9 +1004,16 @@ void zllm_qdecode_##NAME(const uint8_t *q, const float *scales, const uint8_t *z
     decode(&w, decode_##NAME, r0, r1, out, threads);                                                \
 }
 
+/* gemv for INT4 by the weight's plan (the lane kernels where lanes_fit). */
+static void gemv_int4_f32(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                          int threads) {
+    gemv_planned(w, L_INT4, x, xs, bias, y, t, threads);
+}
+
+/* gemv for INT4: the vpmaddubsw kernel at AVX2 (quant_gemv_int4.c), else gemv_int4_f32. */
 static void gemv_int4(const qweight *w, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
                       int threads) {
-    gemv_planned(w, L_INT4, x, xs, bias, y, t, threads);
+    gemv_digits(w, int4_digits_gemv, gemv_int4_f32, x, xs, bias, y, t, threads);
 }
 
 INT_ENTRIES(int4, gemv_int4, k / 2)

@@ -43,9 +43,10 @@ typedef struct {
 } qgemv_plan;
 
 /* The plan of weight w of `layout` (its shape and group size decide it) at the ISA level in
- * use; fills the decode tables on first use. FP8 and INT8 plan the f32 rows: the BF16 rows of
- * quant_gemv_bf16.c and the VNNI rows of quant_gemv_vnni.c are whole GEMVs (x split per call),
- * taken by zllm_qgemv_fp8 / zllm_qgemv_int8 alone. */
+ * use; fills the decode tables on first use. FP8, INT8 and INT4 plan the f32 rows: the BF16 rows
+ * of quant_gemv_bf16.c, the VNNI rows of quant_gemv_vnni.c and the AVX2 INT4 rows of
+ * quant_gemv_int4.c are whole GEMVs (x split per call), taken by zllm_qgemv_fp8 /
+ * zllm_qgemv_int8 / zllm_qgemv_int4 alone. */
 __attribute__((visibility("hidden"))) qgemv_plan qgemv_plan_of(const qweight *w, int layout);
 
 #endif

@@ -2,24 +2,17 @@
  * products, keeping f32-class activations: y[T, N] = x[T, K] @ W[N, K]^T (+ bias), x and y
  * f32, w[n, k] = scales[n, k / g] * (q[n, k] - zeros[n, k / g]), q uint8.
  *
- * x as exact integer digits (once per call, per token and per block of up to VNNI_BLOCK
- * columns inside one scale group): with m the block's max |x| and d = 2^E the smallest power
- * of two with 127 d >= m, x = d (a0 + a1 2^-7 + a2 2^-14 + a3 2^-21) + r, each digit the
- * remainder so far divided by its weight d 2^-7i and rounded to the nearest integer: |a0| <=
- * 127, |a1 .. a3| <= 64 (each remainder is at most half the last digit's weight), int8. Every
- * remainder is exact in f32 (a multiple of d 2^-7i subtracted from a number within half of it),
- * so |r| <= d 2^-22 < m 2^-21 / 127 ~ m 2^-28: four digits hold x to 2^-28 of its block's max,
- * below f32's own rounding of that max (2^-24); three would leave m 2^-21, eight times that
- * rounding. An element 1000x smaller than its block's max keeps ~2^-18 of itself, and its
- * product with q is summed against the outlier's, so relative to sum |q x| the error stays
- * ~2^-28 per element (measured against the f64 result with x ~ N(0, 1), one |x| 1000x the rest,
- * x + 1 and x over 2^-20 .. 2^4, K 3328 / 14336, per channel and groups of 128: the same error
- * as quant_gemv.c's AVX-512 kernel, 3e-8 .. 4e-6 of sum |w x|).
+ * x as exact integer digits (quant_digits.c, once per call, per token and per block of up to
+ * DIGITS_BLOCK columns inside one scale group): x = d (a0 + a1 2^-7 + a2 2^-14 + a3 2^-21) + r,
+ * d a power of two, |a0| <= 127, |a1 .. a3| <= 64, |r| ~ 2^-28 of the block's max |x| (measured
+ * against the f64 result with x ~ N(0, 1), one |x| 1000x the rest, x + 1 and x over 2^-20 ..
+ * 2^4, K 3328 / 14336, per channel and groups of 128: the same error as quant_gemv.c's AVX-512
+ * kernel, 3e-8 .. 4e-6 of sum |w x|).
  *
  * The unsigned q are the u8 operand of vpdpbusd as stored: per 64 columns one load and four
  * vpdpbusd (digit i into int32 accumulator i), instead of quant_gemv.c's twelve operations (zero
  * extension, conversion, FMA per 16). Each int32 lane adds 4 products of at most 255 * 127 per
- * 64 columns: over a block of VNNI_BLOCK columns |c_i| < 2^19. Per block the digit pairs are
+ * 64 columns: over a block of DIGITS_BLOCK columns |c_i| < 2^19. Per block the digit pairs are
  * combined as integers, hi = c0 2^7 + c1 and lo = c2 2^7 + c3 (exact, < 2^27), converted (f32
  * rounds hi past 2^24: 2^-24 of it), hi d 2^-7 + lo d 2^-21 (one product and one FMA) into the
  * group's 16-lane f32 sum; per group its lane 0 minus z times the group's x sum (x in 16 lanes,
@@ -38,105 +31,33 @@
  * (eight vpdpbusd per 64 columns against dot_int8_512's decode shared by two tokens); batch-1
  * decode reads its weights at memory speed, so end to end the change is inside the noise.
  *
- * Order: a row's result depends only on its quants, its token's x, K, g and VNNI_BLOCK, never
+ * Order: a row's result depends only on its quants, its token's x, K, g and DIGITS_BLOCK, never
  * on T, N, the other rows or the thread split. Tokens go two at a time through one load of a
  * row, each token's accumulators taking the same operations as alone. Threads: the work items
  * of quant_gemv.c's gemv (about VNNI_CHUNK_BYTES of weights, handed out dynamically).
  */
 #include "common.h"
 #include "isa.h"
+#include "quant_digits.h"
 #include "quant_gemv_vnni.h"
 
 #include <stdlib.h>
-#include <string.h>
 
-#define VNNI_BLOCK 256 /* columns per digit scale d (at most: a group's last block may be shorter); <= 4096 */
-#define VNNI_DIGITS 4
 #define VNNI_TOKENS 2
 #define VNNI_CHUNK_BYTES (64 << 10) /* weight bytes per work item, as quant_gemv.c */
 #define VNNI_PREFETCH 2048
-#define VNNI_MIN_E (-126 + 7 * (VNNI_DIGITS - 1)) /* the smallest E whose last digit weight is normal */
-
-/* One token's x as digits: per 64 columns c (a multiple of 64), bytes [4c, 4c + 256) hold digit
- * i of column c + j at 4c + 64 i + j; then per block the weights of its two digit pairs, d 2^-7
- * and d 2^-21 (f32; dot_vnni combines the pairs' sums as integers first); then per group its f32
- * sum of x. stride: bytes per token, a multiple of 64. Blocks run group by group, each group cut
- * into blocks of VNNI_BLOCK columns from its start (the last one shorter). */
-typedef struct {
-    int64_t k, g, ng, nb; /* g: columns per group (K for one scale per row); nb: blocks per token */
-    int64_t w_at, sums_at, stride;
-} digits_layout;
-
-/* 2^e for e in [-126, 127]: the f32 of those exponent bits. */
-static inline float pow2(int e) {
-    const uint32_t u = (uint32_t)(e + 127) << 23;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 INLINE AVX512 float hsum512_vnni(__m512 v) {
     return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
-/* Token x [K] -> its digits, digit weights and group sums at out (digits_layout); 0 where x
- * holds a non-finite value or a block's max |x| is nonzero and under 2^-99 = 2^(VNNI_MIN_E + 6) (the
- * token goes to quant_gemv.c's kernels), else 1. A group's x sum: column c into lane c % 16,
- * then the fixed horizontal sum. */
-AVX512 static int split_token(const digits_layout *L, const float *x, uint8_t *out) {
-    float *ws = (float *)(out + L->w_at), *sums = (float *)(out + L->sums_at);
-    int64_t b = 0;
-    for (int64_t gi = 0; gi < L->ng; gi++) {
-        const int64_t ge = (gi + 1) * L->g < L->k ? (gi + 1) * L->g : L->k;
-        __m512 sx = _mm512_setzero_ps();
-        for (int64_t c0 = gi * L->g, c1; c0 < ge; c0 = c1, b++) {
-            c1 = c0 + VNNI_BLOCK < ge ? c0 + VNNI_BLOCK : ge;
-            __m512 mx = _mm512_setzero_ps();
-            for (int64_t c = c0; c < c1; c += 16) {
-                const __m512 v = _mm512_loadu_ps(x + c);
-                if (_mm512_fpclass_ps_mask(v, 0x99)) return 0; /* NaN or +-inf */
-                mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-                sx = _mm512_add_ps(sx, v);
-            }
-            const float m = _mm512_reduce_max_ps(mx); /* the max of |x|: exact in any order */
-            int e = 0;
-            if (m > 0.0f) {
-                uint32_t u;
-                memcpy(&u, &m, 4);
-                e = (int)(u >> 23) - 133; /* m in [2^(e + 6), 2^(e + 7)): 127 2^e < m is possible, then one more */
-                if (e < VNNI_MIN_E) return 0;
-                if (127.0f * pow2(e) < m) e++;
-            }
-            ws[2 * b] = pow2(e - 7);
-            ws[2 * b + 1] = pow2(e - 21);
-            __m512 inv[VNNI_DIGITS], wt[VNNI_DIGITS]; /* the digit weights d 2^-7i and their inverses */
-            for (int i = 0; i < VNNI_DIGITS; i++) {
-                wt[i] = _mm512_set1_ps(pow2(e - 7 * i));
-                inv[i] = _mm512_set1_ps(pow2(7 * i - e));
-            }
-            for (int64_t c = c0; c < c1; c += 16) {
-                __m512 r = _mm512_loadu_ps(x + c);
-                for (int i = 0; i < VNNI_DIGITS; i++) {
-                    const __m512 a = _mm512_roundscale_ps(_mm512_mul_ps(r, inv[i]),
-                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    r = _mm512_fnmadd_ps(a, wt[i], r); /* exact (file comment) */
-                    _mm_storeu_si128((__m128i *)(out + 4 * (c & ~63) + 64 * i + (c & 63)),
-                                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a)));
-                }
-            }
-        }
-        sums[gi] = hsum512_vnni(sx);
-    }
-    return 1;
-}
-
 /* The row's 64 quants at q against TT tokens' digits at dg (tokens stride bytes apart) into
  * the int32 accumulators a[t][i]. */
 INLINE AVX512 void step64(const uint8_t *q, const uint8_t *dg, int64_t stride, const int TT,
-                          __m512i a[VNNI_TOKENS][VNNI_DIGITS]) {
+                          __m512i a[VNNI_TOKENS][DIGITS_N]) {
     const __m512i v = _mm512_loadu_si512(q);
     for (int t = 0; t < TT; t++)
-        for (int i = 0; i < VNNI_DIGITS; i++)
+        for (int i = 0; i < DIGITS_N; i++)
             a[t][i] = _mm512_dpbusd_epi32(a[t][i], v, _mm512_loadu_si512(dg + t * stride + 64 * i));
 }
 
@@ -146,9 +67,9 @@ INLINE AVX512 void step64(const uint8_t *q, const uint8_t *dg, int64_t stride, c
  * sets for alternate 64-column steps measured no faster: the blocks' chains overlap already.) */
 INLINE AVX512 void block_vnni(const digits_layout *L, const uint8_t *row, const uint8_t *dg, int64_t c0,
                               int64_t c1, int64_t b, const int TT, __m512 s[VNNI_TOKENS]) {
-    __m512i a0[VNNI_TOKENS][VNNI_DIGITS];
+    __m512i a0[VNNI_TOKENS][DIGITS_N];
     for (int t = 0; t < TT; t++)
-        for (int i = 0; i < VNNI_DIGITS; i++) a0[t][i] = _mm512_setzero_si512();
+        for (int i = 0; i < DIGITS_N; i++) a0[t][i] = _mm512_setzero_si512();
     for (int64_t c = c0; c < c1; c += 64) {
         _mm_prefetch((const char *)row + c + VNNI_PREFETCH, _MM_HINT_T0);
         step64(row + c, dg + 4 * c, L->stride, TT, a0);
@@ -172,10 +93,10 @@ INLINE AVX512 void dot_vnni(const digits_layout *L, const uint8_t *row, const fl
     for (int64_t gi = 0; gi < L->ng; gi++) {
         const int64_t c0 = gi * g, ge = c0 + g < k ? c0 + g : k;
         __m512 gs[VNNI_TOKENS];
-        int64_t c1 = c0 + VNNI_BLOCK < ge ? c0 + VNNI_BLOCK : ge;
+        int64_t c1 = c0 + DIGITS_BLOCK < ge ? c0 + DIGITS_BLOCK : ge;
         block_vnni(L, row, dg, c0, c1, b++, TT, gs);
         for (int64_t cb; c1 < ge; c1 = cb, b++) {
-            cb = c1 + VNNI_BLOCK < ge ? c1 + VNNI_BLOCK : ge;
+            cb = c1 + DIGITS_BLOCK < ge ? c1 + DIGITS_BLOCK : ge;
             __m512 s[VNNI_TOKENS];
             block_vnni(L, row, dg, c1, cb, b, TT, s);
             for (int t = 0; t < TT; t++) gs[t] = _mm512_add_ps(gs[t], s[t]);
@@ -211,21 +132,16 @@ AVX512 static void rows_vnni(const digits_layout *L, const uint8_t *q, const flo
     }
 }
 
-/* quant_gemv_vnni.h: the leading tokens whose x split_token holds, through rows_vnni. */
+/* quant_gemv_vnni.h: the leading tokens whose x digits_split_token holds, through rows_vnni. */
 int64_t int8_vnni_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
                        int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     if (native_isa_level < ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || t <= 0 || n <= 0)
         return -1;
-    digits_layout L = {.k = k, .g = g < k ? g : k};
-    L.ng = (k + L.g - 1) / L.g;
-    L.nb = L.ng * ((L.g + VNNI_BLOCK - 1) / VNNI_BLOCK); /* at most: a last, shorter group may take fewer */
-    L.w_at = 4 * k;
-    L.sums_at = L.w_at + 8 * L.nb;
-    L.stride = (L.sums_at + 4 * L.ng + 63) & ~(int64_t)63;
+    const digits_layout L = digits_layout_of(k, g, DIGITS_COLUMNS);
     uint8_t *dg = aligned_alloc(64, (size_t)(t * L.stride));
     if (!dg) return -1;
     int64_t run = 0;
-    while (run < t && split_token(&L, x + run * xs, dg + run * L.stride)) run++;
+    while (run < t && digits_split_token(&L, x + run * xs, dg + run * L.stride)) run++;
     const int64_t per = VNNI_CHUNK_BYTES / k, rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
     int nth = threads < items ? threads : (int)items;
     if (n * k * run < GEMV_PARALLEL_MIN_WORK) nth = 1;

@@ -20,9 +20,13 @@ int16 rounding of the activations would differ numerically from dequantize-then-
 issue #14 allows only as a named variant). Each weight is decoded exactly (E4M3 through F16C,
 nibbles and E2M1 through table lookups) and multiplied in f32; sums are scaled per group (or,
 for 4-bit rows in 128-column chunks, per 8 columns, INT4's zero point applied as ``z`` times
-the sum of ``x``). Results differ from the f32 reference by rounding only (~1e-6 relative),
-and each output row is computed in an order that depends only on the format, ``K`` and the
-group size: batch-invariant for any ``T`` in the GEMV.
+the sum of ``x``). INT8 rows at the AVX-512 level (VNNI) and INT4 rows at the AVX2 level (groups of
+at least 128 columns), with ``K`` and the groups multiples of 64, multiply the quants by ``x`` split
+per call into four exact int8 digits (``csrc/quant_digits.c``: ``x`` held to 2^-28 of its block's
+max, below f32's own rounding; a token with inf / NaN or a tiny block takes the f32 kernels alone).
+Results differ from the f32 reference by rounding only (~1e-6 relative), and each output row is
+computed in an order that depends only on the format, ``K``, the group size and the ISA level:
+batch-invariant for any ``T`` in the GEMV.
 """
 
 from __future__ import annotations
