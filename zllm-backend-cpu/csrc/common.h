@@ -27,6 +27,13 @@
  * threads are still spinning. */
 #define GEMV_PARALLEL_MIN_WORK (512 << 10)
 
+/* The team of a GEMV cut into `items` work items, `work` its weight bytes times tokens: the
+ * caller's threads, at most one a work item and MAX_THREADS; one under GEMV_PARALLEL_MIN_WORK. */
+INLINE int gemv_team(int threads, int64_t items, int64_t work) {
+    const int nth = work < GEMV_PARALLEL_MIN_WORK ? 1 : threads < items ? threads : (int)items;
+    return nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+}
+
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -291,9 +291,7 @@ static void gemv_split(const gemv_args *a, int64_t row_bytes, int threads, rows_
     const int64_t n = a->n, nb = a->k / 32, xblocks = a->xq ? a->t * nb : 0;
     int64_t items = (n * (row_bytes > 0 ? row_bytes : 1) + CHUNK_BYTES - 1) / CHUNK_BYTES;
     items = items < n ? (items > 1 ? items : 1) : n;
-    int nth = threads < items ? threads : (int)items;
-    if (n * row_bytes * a->t < GEMV_PARALLEL_MIN_WORK) nth = 1;
-    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+    int nth = gemv_team(threads, items, n * row_bytes * a->t);
     /* as many items per thread for every thread, then equal rows per item: a weight of a
      * few items (small models) is split evenly instead of one full item and one stub */
     items = (items + nth - 1) / nth * nth;

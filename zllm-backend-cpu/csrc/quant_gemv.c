@@ -864,9 +864,7 @@ static void gemv(const qweight *w, rows_fn rows_of, const float *x, int64_t xs, 
     tables();
     const int64_t n = w->n, per = CHUNK_BYTES / (w->row_bytes > 0 ? w->row_bytes : 1);
     const int64_t rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
-    int nth = threads < items ? threads : (int)items;
-    if (n * w->row_bytes * t < GEMV_PARALLEL_MIN_WORK) nth = 1;
-    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+    int nth = gemv_team(threads, items, n * w->row_bytes * t);
 #pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
     for (int64_t i = 0; i < items; i++)
         rows_of(w, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n, x, xs, bias, y, t);

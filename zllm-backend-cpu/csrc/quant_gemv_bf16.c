@@ -281,9 +281,7 @@ static AVX512_BF16 int gemv(const fp8_weight *w, const float *x, int64_t xs, con
         }
     const int64_t n = w->n, per = CHUNK_BYTES / w->k;
     const int64_t rows_per = per > 1 ? per : 1, items = (n + rows_per - 1) / rows_per;
-    int nth = threads < items ? threads : (int)items;
-    if (n * w->k * t < GEMV_PARALLEL_MIN_WORK) nth = 1;
-    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+    int nth = gemv_team(threads, items, n * w->k * t);
 #pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
     for (int64_t i = 0; i < items; i++)
         rows(w, i * rows_per, (i + 1) * rows_per < n ? (i + 1) * rows_per : n, xp, xps, s, bias, y, t);

@@ -143,9 +143,7 @@ int64_t int8_vnni_gemv(const uint8_t *q, const float *scales, const uint8_t *zer
     int64_t run = 0;
     while (run < t && digits_split_token(&L, x + run * xs, dg + run * L.stride)) run++;
     const int64_t per = VNNI_CHUNK_BYTES / k, rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
-    int nth = threads < items ? threads : (int)items;
-    if (n * k * run < GEMV_PARALLEL_MIN_WORK) nth = 1;
-    nth = nth < MAX_THREADS ? (nth > 1 ? nth : 1) : MAX_THREADS;
+    int nth = gemv_team(threads, items, n * k * run);
     if (run > 0) {
 #pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++)
