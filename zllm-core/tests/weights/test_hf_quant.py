@@ -183,6 +183,45 @@ def test_config_group_target_that_is_not_a_name_or_regular_expression_is_a_confi
     assert str(err.value) == f"{path / 'config.json'}: quantization_config: config_groups.g.targets: {what}"
 
 
+def _ct_pack_config(**weights) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel", **weights}}}}
+
+
+@pytest.mark.parametrize(("qconfig", "what"), [
+    # A list of groups was an AttributeError; a group or its weights given as a string had its
+    # letters listed as unknown fields.
+    ({**_ct_pack_config(), "config_groups": [{"targets": ["Linear"]}]},
+     "config_groups must be an object of named groups, got list"),
+    ({**_ct_pack_config(), "config_groups": {"g": "W4A16"}}, "config_groups.g must be an object, got str 'W4A16'"),
+    ({**_ct_pack_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": "int4"}}},
+     "config_groups.g.weights must be an object, got str 'int4'"),
+    ({**_ct_pack_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"},
+                                                   "input_activations": "int8"}}},
+     "config_groups.g.input_activations must be an object, got str 'int8'"),
+    # int("four") raised ValueError; 4.5 bits were read as 4.
+    (_ct_pack_config(num_bits="four"), "config_groups.g.weights.num_bits must be a positive integer, got 'four'"),
+    (_ct_pack_config(num_bits=4.5), "config_groups.g.weights.num_bits must be a positive integer, got 4.5"),
+    (_ct_pack_config(num_bits=True), "config_groups.g.weights.num_bits must be a positive integer, got True"),
+    # A zero block was a ZeroDivisionError, a string one a ValueError.
+    ({**_ct_pack_config(), "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [0, 32]}}}},
+     "strategy 'block' needs block_structure [rows, cols] of two positive integers, got [0, 32]"),
+    ({**_ct_pack_config(), "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": ["a", 32]}}}},
+     "strategy 'block' needs block_structure [rows, cols] of two positive integers, got ['a', 32]"),
+])
+def test_compressed_tensors_config_of_the_wrong_shape_is_a_config_error_naming_the_field(tmp_path, qconfig, what):
+    tensors = {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32), "m.weight_shape": torch.tensor([N, K]),
+               "m.weight_scale": torch.ones(N, 1)}
+    if qconfig.get("format") == "float-quantized":
+        tensors = {"m.weight": torch.zeros(N, K, dtype=torch.float8_e4m3fn), "m.weight_scale": torch.ones(1, 1)}
+    path = _write(tmp_path, tensors, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == f"{path / 'config.json'}: quantization_config: {what}"
+
+
 @pytest.mark.parametrize(("qconfig", "what"), [
     # bool("false") is True: each was read as true.
     ({"quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": "yes"}, "desc_act 'yes'"),

@@ -61,10 +61,15 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
     if q.get("transform_config"):
         raise ctx.config_error("transform_config (rotated weights) is not supported")
     groups = []
-    for gname, group in (q.get("config_groups") or {}).items():
+    config_groups = q.get("config_groups") or {}
+    if not isinstance(config_groups, Mapping):
+        raise ctx.config_error(f"config_groups must be an object of named groups, got {type(config_groups).__name__}")
+    for gname, group in config_groups.items():
         check_keys(ctx, f"config_groups.{gname}", group, _CT_GROUP_KEYS)
         weights = group.get("weights") or {}
         check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
+        if weights:
+            _positive_int(ctx, f"config_groups.{gname}.weights.num_bits", weights.get("num_bits"))
         flag(ctx, f"config_groups.{gname}.weights.", weights, "symmetric", True)
         fmt = group.get("format") or q.get("format")
         group_size = weights.get("group_size")
@@ -80,6 +85,7 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         activations = group.get("input_activations")
         if activations:
             check_keys(ctx, f"config_groups.{gname}.input_activations", activations, CT_ARGS_KEYS)
+            _positive_int(ctx, f"config_groups.{gname}.input_activations.num_bits", activations.get("num_bits"))
             ctx.note_quantized_activations(_activations_text(activations))
         if not isinstance(group.get("targets") or [], list):
             raise ctx.config_error(f"config_groups.{gname}.targets: {group['targets']!r} is not a list")
@@ -95,6 +101,13 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
                                            f"expression: {e}") from None
         groups.append(_CtGroup(targets, weights, fmt))
     return groups
+
+
+def _positive_int(ctx: PlanContext, where: str, value: Any) -> None:
+    """A config error unless ``value`` (the config's ``where``) is absent or an integer >= 1: ``int()``
+    of a string raised ValueError, and 4.5 bits were read as 4."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ctx.config_error(f"{where} must be a positive integer, got {value!r}")
 
 
 def _activations_text(args: Mapping[str, Any]) -> str:
@@ -136,8 +149,10 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     blocks: list[tuple[int, int]] = []
     if strategy == "block":
         bs = group.weights.get("block_structure")
-        if not (isinstance(bs, list) and len(bs) == 2):
-            raise ctx.config_error(f"strategy 'block' needs block_structure [rows, cols], got {bs!r}")
+        if not (isinstance(bs, list) and len(bs) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bs)):
+            raise ctx.config_error(f"strategy 'block' needs block_structure [rows, cols] of two positive integers, "
+                                   f"got {bs!r}")
         blocks.append((int(bs[0]), int(bs[1])))
     elif strategy == "group" and group_size:
         blocks.append((1, int(group_size)))
