@@ -308,6 +308,36 @@ def test_bad_quantized_tensors_name_the_file_the_tensor_and_the_problem(tmp_path
     assert err.value.tensor == tensor and str(path / "model.safetensors") in str(err.value) and what in str(err.value)
 
 
+def _ct(fmt: str, weights: dict) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+
+
+@pytest.mark.parametrize(("tensors", "qconfig", "tensor", "what"), [
+    # Each was a ValueError unpacking the shape, or a ZeroDivisionError on K = 0.
+    ({"m.weight": torch.zeros(64, dtype=torch.float8_e4m3fn), "m.weight_scale": torch.ones(1)},
+     _ct("float-quantized", {"num_bits": 8, "type": "float", "strategy": "tensor"}),
+     "m.weight", "FP8 weight of shape [64]; quantized weights have rows"),
+    ({"m.weight_packed": torch.zeros(64, dtype=torch.uint8), "m.weight_scale": torch.ones(8).to(torch.float8_e4m3fn),
+      "m.weight_global_scale": torch.ones(1)},
+     _ct("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}),
+     "m.weight_packed", "packed FP4 weight of shape [64]; expected [..., N, K/2]"),
+    ({"m.weight": torch.zeros(64, dtype=torch.uint8), "m.weight_scale": torch.ones(8).to(torch.float8_e4m3fn),
+      "m.weight_scale_2": torch.tensor(1.0)},
+     {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
+     "m.weight", "NVFP4 weight of shape [64]; expected [..., N, K/2]"),
+    ({"m.weight_packed": torch.zeros(N, 0, dtype=torch.int32), "m.weight_shape": torch.tensor([N, 0]),
+      "m.weight_scale": torch.ones(N, 1)},
+     _ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "channel"}),
+     "m.weight_shape", "weight_shape [8, 0] is not a shape: both sizes must be positive"),
+])
+def test_quantized_weight_without_rows_and_columns_is_named(tmp_path, tensors, qconfig, tensor, what):
+    path = _write(tmp_path, tensors, qconfig)
+    with pytest.raises(TensorError) as err:
+        open_checkpoint(path)
+    assert err.value.tensor == tensor and str(path / "model.safetensors") in str(err.value) and what in str(err.value)
+
+
 def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
     tensors = _gptq_tensors("gptq_v2")
     tensors["m.scales"][0, 3] = float("nan")

@@ -146,6 +146,8 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     bits, kind, strategy, _, group_size = _ct_args(group)
     if kind != "float" or bits != 8:
         raise ctx.config_error(f"{group.format} {kind} with {bits} bits is not supported (float with 8 bits is)")
+    if len(entry.shape) < 2:
+        raise ctx.error(name, f"FP8 weight of shape {list(entry.shape)}; quantized weights have rows")
     blocks: list[tuple[int, int]] = []
     if strategy == "block":
         bs = group.weights.get("block_structure")
@@ -216,6 +218,8 @@ def _ct_pack(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     ctx.need(shape_name, packed, "the logical shape")
     ctx.expect(shape_name, ("I64", "I32"), (2,), "weight_shape")
     n, k = (int(v) for v in ctx.read(shape_name).tolist())
+    if n < 1 or k < 1:
+        raise ctx.error(shape_name, f"weight_shape [{n}, {k}] is not a shape: both sizes must be positive")
     ctx.expect(packed, ("I32",), None, "packed weight")
     if ctx.entries[packed].shape != (n, ceil_div(k * bits, 32)):
         raise ctx.error(packed, f"packed shape {list(ctx.entries[packed].shape)} disagrees with weight_shape "
@@ -270,6 +274,8 @@ def _ct_fp4(ctx: PlanContext, prefix: str, group: _CtGroup, fmt: str) -> None:
         raise ctx.config_error(f"{fmt}-pack-quantized needs float weights of 4 bits in groups of {gs}; "
                                f"config says {kind} with {bits} bits in groups of {group_size}")
     entry = ctx.expect(packed, ("U8",), None, "packed FP4 weight")
+    if len(entry.shape) < 2:
+        raise ctx.error(packed, f"packed FP4 weight of shape {list(entry.shape)}; expected [..., N, K/2]")
     *lead, n, half = entry.shape
     k = 2 * half
     ctx.need(scale, packed, "block scale")
