@@ -338,6 +338,31 @@ def test_quantized_weight_without_rows_and_columns_is_named(tmp_path, tensors, q
     assert err.value.tensor == tensor and str(path / "model.safetensors") in str(err.value) and what in str(err.value)
 
 
+@pytest.mark.parametrize("qconfig", [
+    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+    _ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "channel"}),
+    {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+    {"quant_method": "mxfp4"},
+], ids=lambda q: q["quant_method"])
+def test_config_that_quantizes_weights_over_only_dense_tensors_is_a_config_error(tmp_path, qconfig):
+    # A dequantized copy that kept its quantization_config ran dense under the config's label.
+    path = _write(tmp_path, {"m.weight": torch.zeros(N, K, dtype=torch.bfloat16)}, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == (f"{path / 'config.json'}: quantization_config says quant_method "
+                              f"{qconfig['quant_method']!r}, but no tensor is stored quantized (m.weight is stored "
+                              "as BF16); remove quantization_config to load the weights dense")
+
+
+def test_config_that_quantizes_only_the_kv_cache_loads_dense_weights(tmp_path):
+    qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+               "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}
+    ckpt = open_checkpoint(_write(tmp_path, {"m.weight": torch.zeros(N, K)}, qconfig))
+    assert ckpt.quantization == "compressed-tensors: no quantized weights; the rest dense"
+
+
 def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
     tensors = _gptq_tensors("gptq_v2")
     tensors["m.scales"][0, 3] = float("nan")
@@ -449,7 +474,9 @@ def test_fp8_kv_cache_scales_are_skipped_as_known_when_the_config_declares_the_c
 
 def test_kv_scales_stay_unused_strays_without_a_declared_cache_or_off_a_module_with_weights(tmp_path):
     fp8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
-    ckpt = open_checkpoint(_kv_checkpoint(tmp_path / "a", fp8, {_ATTN + "k_scale": torch.tensor(0.5)}))
+    q_fp8 = {_ATTN + "q_proj.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+             _ATTN + "q_proj.weight_scale": torch.tensor(1.0)}  # one quantized weight, as the config says
+    ckpt = open_checkpoint(_kv_checkpoint(tmp_path / "a", fp8, {**q_fp8, _ATTN + "k_scale": torch.tensor(0.5)}))
     assert ckpt.kv_cache_quantization is None and ckpt.skipped_tensors == {}
     with pytest.raises(TensorError, match=r"'model.layers.0.self_attn.k_scale': unused"):
         load_weights(ckpt, _PROJ)

@@ -97,7 +97,8 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
 
     Raises:
         CheckpointError: the method, a format or a field is unknown or unsupported (names it
-            and lists the supported ones).
+            and lists the supported ones); no tensor is quantized although the config
+            quantizes weights.
         TensorError: a weight's scale, zero point, ``g_idx`` or shape tensor is missing,
             mis-shaped or of the wrong dtype; a group size does not divide K; a packed shape
             disagrees with ``weight_shape``; an FP8 weight has no scale.
@@ -110,4 +111,14 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
                                                 f"supported: {', '.join(METHODS)}")
     ctx = PlanContext(config_file, qconfig, entries, read)
     METHODS[method](ctx)
+    if not ctx.folds and ctx.kv_cache is None:
+        # A config that quantizes only the KV cache (compressed-tensors' kv_cache_scheme with no
+        # config groups) keeps its weights dense; any other without one quantized tensor
+        # disagrees with its own files (a dequantized copy that kept the config): say so
+        # rather than run dense weights under a quantization label.
+        dense = next((f" ({n} is stored as {e.dtype})" for n, e in entries.items()
+                      if n.endswith(".weight") and len(e.shape) == 2), "")
+        raise CheckpointError(str(config_file), f"quantization_config says quant_method {method!r}, but no tensor "
+                                                f"is stored quantized{dense}; remove quantization_config to load "
+                                                "the weights dense")
     return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes), ctx.kv_cache)
