@@ -208,4 +208,4 @@ def test_fp8_config_over_dense_tensors_is_one_error_naming_the_config(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     line = one_line_error(zllm("run", "--config", write_config(tmp_path, ckpt), "--max-new-tokens", "2"))
     assert str(ckpt / "config.json") in line
-    assert "quant_method 'fp8', but no tensor is stored quantized" in line
+    assert "quant_method 'fp8', but no tensor is stored as it quantizes" in line

@@ -348,12 +348,24 @@ def test_quantized_weight_without_rows_and_columns_is_named(tmp_path, tensors, q
 ], ids=lambda q: q["quant_method"])
 def test_config_that_quantizes_weights_over_only_dense_tensors_is_a_config_error(tmp_path, qconfig):
     # A dequantized copy that kept its quantization_config ran dense under the config's label.
-    path = _write(tmp_path, {"m.weight": torch.zeros(N, K, dtype=torch.bfloat16)}, qconfig)
+    path = _write(tmp_path, {"lm_head.weight": torch.zeros(N, K), "model.layers.0.m.weight": torch.zeros(
+        N, K, dtype=torch.bfloat16)}, qconfig)
     with pytest.raises(CheckpointError) as err:
         open_checkpoint(path)
     assert str(err.value) == (f"{path / 'config.json'}: quantization_config says quant_method "
-                              f"{qconfig['quant_method']!r}, but no tensor is stored quantized (m.weight is stored "
-                              "as BF16); remove quantization_config to load the weights dense")
+                              f"{qconfig['quant_method']!r}, but no tensor is stored as it quantizes "
+                              "(model.layers.0.m.weight is stored as BF16); remove quantization_config to load the "
+                              "weights dense")
+
+
+def test_fp8_config_over_e5m2_weights_names_one(tmp_path):
+    path = _write(tmp_path, {"lm_head.weight": torch.zeros(N, K),
+                             "model.layers.0.m.weight": torch.zeros(N, K, dtype=torch.float8_e5m2)},
+                  {"quant_method": "fp8"})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value).endswith("but no tensor is stored as it quantizes (model.layers.0.m.weight is stored as "
+                                   "F8_E5M2)")
 
 
 def test_config_that_quantizes_only_the_kv_cache_loads_dense_weights(tmp_path):
