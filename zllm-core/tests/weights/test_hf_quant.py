@@ -368,6 +368,15 @@ def test_fp8_config_over_e5m2_weights_names_one(tmp_path):
                                    "F8_E5M2)")
 
 
+def test_dense_weight_stored_beside_its_quantized_parts_is_named(tmp_path):
+    # The folded weight shadowed the dense one, which was neither read nor reported unused.
+    path = _gptq(tmp_path, tensors={"m.weight": torch.zeros(N, K, dtype=torch.bfloat16)})
+    with pytest.raises(TensorError) as err:
+        open_checkpoint(path)
+    assert err.value.tensor == "m.weight" and str(path / "model.safetensors") in str(err.value)
+    assert "stored beside the quantized parts of the same weight (m.qweight, m.qzeros, m.scales" in str(err.value)
+
+
 def test_config_that_quantizes_only_the_kv_cache_loads_dense_weights(tmp_path):
     qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
                "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}

@@ -125,6 +125,11 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
                                                 f"supported: {', '.join(METHODS)}")
     ctx = PlanContext(config_file, qconfig, entries, read)
     METHODS[method](ctx)
+    for fold in ctx.folds.values():
+        if fold.name in entries and fold.name not in fold.sources:
+            # The fold would shadow it: a stored tensor never read and never reported unused.
+            raise ctx.error(fold.name, f"stored beside the quantized parts of the same weight "
+                                       f"({', '.join(fold.sources)}); a checkpoint holds one or the other")
     if not ctx.folds and ctx.kv_cache is None:
         # A config that quantizes only the KV cache (compressed-tensors' kv_cache_scheme with no
         # config groups) keeps its weights dense; any other without one quantized tensor
