@@ -377,6 +377,17 @@ def test_dense_weight_stored_beside_its_quantized_parts_is_named(tmp_path):
     assert "stored beside the quantized parts of the same weight (m.qweight, m.qzeros, m.scales" in str(err.value)
 
 
+def test_weight_in_a_dtype_the_method_does_not_fold_does_not_ask_for_a_quantization_config(tmp_path):
+    # It said "quantized weights need config.json's quantization_config" beside one.
+    path = _write(tmp_path, {"a.weight": torch.zeros(N, K, dtype=torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(
+        1), "b.weight": torch.zeros(N, K, dtype=torch.float8_e5m2)}, {"quant_method": "fp8"})
+    with pytest.raises(TensorError) as err:
+        load_weights(open_checkpoint(path), {"a.weight": TensorSpec((N, K)), "b.weight": TensorSpec((N, K))})
+    assert err.value.tensor == "b.weight"
+    assert str(err.value).endswith("stored as F8_E5M2; supported safetensors dtypes: F32, F16, BF16 "
+                                   "(quantization_config's quant_method 'fp8' does not quantize it so)")
+
+
 def test_config_that_quantizes_only_the_kv_cache_loads_dense_weights(tmp_path):
     qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
                "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}
