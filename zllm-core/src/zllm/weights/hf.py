@@ -336,6 +336,8 @@ class HFCheckpoint(Checkpoint):
         return self._read(name)
 
     def tensor_slice(self, name: str, shard: Shard) -> torch.Tensor | QuantizedTensor:
+        if self._fold(name) is not None:  # the folded weight, not its first stored part
+            return super().tensor_slice(name, shard)
         # safetensors' slice reads only the requested bytes of the mapping.
         shape, _ = self.tensor_shape_format(name)
         index = tuple(slice(shard.start, shard.start + shard.size) if d == shard.dim else slice(None)
