@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from zllm.domain.quant import dequantize
 from zllm.spec.errors import CheckpointError, TensorError
-from zllm.spec.tensor_spec import TensorSpec
+from zllm.spec.tensor_spec import Shard, TensorSpec
 from zllm.weights import load_weights, open_checkpoint
 
 N = K = 8  # one 32-bit word of 4-bit values along either dimension
@@ -542,3 +542,13 @@ def test_naive_quantized_int8_weights_fold_as_int_quantized_ones_without_an_acti
     w = ckpt.tensor("m.weight")
     assert w.fmt == "int8_g" and ckpt.quantization_notes == ()
     assert torch.equal(dequantize(w), torch.tensor([[S[n] * (Q[n][k] - 8) for k in range(K)] for n in range(N)]))
+
+
+def test_folded_weight_with_a_whole_shard_loads_folded_and_a_split_one_is_refused(tmp_path):
+    # A family's vocabulary shard on one rank is the whole tensor: it was refused as a split, and
+    # tensor_slice read the raw F8 part instead of the folded weight.
+    ckpt = open_checkpoint(_modelopt_fp8(tmp_path))
+    whole = load_weights(ckpt, {"m.weight": TensorSpec((N, K), shard=Shard(0, 0, N))})["m.weight"]
+    assert torch.equal(dequantize(whole), dequantize(ckpt.tensor("m.weight")))
+    with pytest.raises(TensorError, match="cannot be split for tensor parallelism yet"):
+        load_weights(ckpt, {"m.weight": TensorSpec((N, K), shard=Shard(0, 0, N // 2))})
