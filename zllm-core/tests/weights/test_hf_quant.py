@@ -222,6 +222,18 @@ def test_compressed_tensors_config_of_the_wrong_shape_is_a_config_error_naming_t
     assert str(err.value) == f"{path / 'config.json'}: quantization_config: {what}"
 
 
+@pytest.mark.parametrize("status", ["frozen", "decompressed"])
+def test_compressed_tensors_checkpoint_saved_uncompressed_is_a_config_error(tmp_path, status):
+    # Dense weights with their scales, meant to be quantized and dequantized in each forward: the
+    # scales failed as unused, or the dense weights were called unquantized.
+    path = _write(tmp_path, {"m.weight": torch.zeros(N, K), "m.weight_scale": torch.ones(N, 1)},
+                  {**_ct_pack_config(), "quantization_status": status})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == (f"{path / 'config.json'}: quantization_config: quantization_status {status!r} (weights "
+                              "saved uncompressed, fake-quantized) is not supported; supported: 'compressed'")
+
+
 @pytest.mark.parametrize(("qconfig", "what"), [
     # bool("false") is True: each was read as true.
     ({"quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": "yes"}, "desc_act 'yes'"),

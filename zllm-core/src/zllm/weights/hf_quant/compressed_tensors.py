@@ -58,6 +58,12 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
             raise ctx.config_error(f"{key} (sparse compressed-tensors checkpoints) is not supported")
     if q.get("kv_cache_scheme"):
         plan_kv_cache(ctx, "kv_cache_scheme", q["kv_cache_scheme"], ())
+    status = q.get("quantization_status")
+    if status is not None and status != "compressed":
+        # frozen / decompressed: dense weights beside scales that compressed-tensors applies by
+        # quantizing and dequantizing the weight in each forward; the folds read compressed tensors.
+        raise ctx.config_error(f"quantization_status {status!r} (weights saved uncompressed, fake-quantized) is not "
+                               "supported; supported: 'compressed'")
     if q.get("transform_config"):
         raise ctx.config_error("transform_config (rotated weights) is not supported")
     groups = []
