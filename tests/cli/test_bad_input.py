@@ -197,3 +197,15 @@ def test_debug_shows_the_traceback_and_still_exits_2(tmp_path):
     assert "Traceback (most recent call last)" in proc.stderr
     assert "ConfigError" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1].startswith("error: model.path: ")
+
+
+def test_fp8_config_over_dense_tensors_is_one_error_naming_the_config(tmp_path):
+    # A dequantized copy that kept its quantization_config ran dense under the "fp8" label.
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(HF_DIR, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    line = one_line_error(zllm("run", "--config", write_config(tmp_path, ckpt), "--max-new-tokens", "2"))
+    assert str(ckpt / "config.json") in line
+    assert "quant_method 'fp8', but no tensor is stored as it quantizes" in line

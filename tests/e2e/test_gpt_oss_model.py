@@ -6,9 +6,12 @@ request alone, and ``zllm run --chat`` / ``--explain`` from the command line."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 
 import pytest
+import torch
 import transformers
 
 import zllm
@@ -87,3 +90,36 @@ def test_zllm_run_chat_and_explain_name_the_gpt_oss_kernels(checkpoint, tmp_path
     assert explain.returncode == 0, explain.stderr
     for capability in ("attention_sinks[paged]", "router_topk_softmax[f32]", "moe_clamped_swiglu[f32]"):
         assert capability in explain.stdout + explain.stderr
+
+
+def test_fp8_attention_with_dense_experts_runs_the_experts_as_saved(checkpoint, tmp_path):
+    # An FP8 quantizer targets Linear modules and leaves the fused expert parameters dense in
+    # transformers' x @ W layout; any quantization_config was read as MXFP4 row-layout experts
+    # ("mis-shaped" down_proj, or silently transposed square experts).
+    from safetensors.torch import load_file, save_file
+
+    from zllm.conformance.quantizers import quantize_fp8_e4m3
+    from zllm.domain.quant import dequantize
+
+    fp8, dense = tmp_path / "fp8", tmp_path / "dense"
+    shutil.copytree(checkpoint, fp8)
+    shutil.copytree(checkpoint, dense)
+    tensors = load_file(checkpoint / "model.safetensors")
+    fp8_tensors, dense_tensors = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            q = quantize_fp8_e4m3(w.float(), None)
+            fp8_tensors[name] = q.parts["qweight"].view(torch.float8_e4m3fn)
+            fp8_tensors[name.removesuffix("weight") + "weight_scale_inv"] = q.parts["scale"].reshape(())
+            dense_tensors[name] = dequantize(q).to(w.dtype)
+    save_file(fp8_tensors, fp8 / "model.safetensors", metadata={"format": "pt"})
+    save_file(dense_tensors, dense / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "modules_to_not_convert": ["lm_head"]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+
+    request = {"prompt_token_ids": [5, 6, 7], "max_tokens": 6, "stop_token_ids": []}
+    outs = [zllm.Engine.from_config(write_config(tmp_path / d.name, d)).generate(request)["token_ids"]
+            for d in (fp8, dense)]
+    assert outs[0] == outs[1]

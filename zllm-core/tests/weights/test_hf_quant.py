@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from zllm.domain.quant import dequantize
 from zllm.spec.errors import CheckpointError, TensorError
-from zllm.spec.tensor_spec import TensorSpec
+from zllm.spec.tensor_spec import Shard, TensorSpec
 from zllm.weights import load_weights, open_checkpoint
 
 N = K = 8  # one 32-bit word of 4-bit values along either dimension
@@ -183,6 +183,57 @@ def test_config_group_target_that_is_not_a_name_or_regular_expression_is_a_confi
     assert str(err.value) == f"{path / 'config.json'}: quantization_config: config_groups.g.targets: {what}"
 
 
+def _ct_pack_config(**weights) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel", **weights}}}}
+
+
+@pytest.mark.parametrize(("qconfig", "what"), [
+    # A list of groups was an AttributeError; a group or its weights given as a string had its
+    # letters listed as unknown fields.
+    ({**_ct_pack_config(), "config_groups": [{"targets": ["Linear"]}]},
+     "config_groups must be an object of named groups, got list"),
+    ({**_ct_pack_config(), "config_groups": {"g": "W4A16"}}, "config_groups.g must be an object, got str 'W4A16'"),
+    ({**_ct_pack_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": "int4"}}},
+     "config_groups.g.weights must be an object, got str 'int4'"),
+    ({**_ct_pack_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"},
+                                                   "input_activations": "int8"}}},
+     "config_groups.g.input_activations must be an object, got str 'int8'"),
+    # int("four") raised ValueError; 4.5 bits were read as 4.
+    (_ct_pack_config(num_bits="four"), "config_groups.g.weights.num_bits must be a positive integer, got 'four'"),
+    (_ct_pack_config(num_bits=4.5), "config_groups.g.weights.num_bits must be a positive integer, got 4.5"),
+    (_ct_pack_config(num_bits=True), "config_groups.g.weights.num_bits must be a positive integer, got True"),
+    # A zero block was a ZeroDivisionError, a string one a ValueError.
+    ({**_ct_pack_config(), "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [0, 32]}}}},
+     "strategy 'block' needs block_structure [rows, cols] of two positive integers, got [0, 32]"),
+    ({**_ct_pack_config(), "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": ["a", 32]}}}},
+     "strategy 'block' needs block_structure [rows, cols] of two positive integers, got ['a', 32]"),
+])
+def test_compressed_tensors_config_of_the_wrong_shape_is_a_config_error_naming_the_field(tmp_path, qconfig, what):
+    tensors = {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32), "m.weight_shape": torch.tensor([N, K]),
+               "m.weight_scale": torch.ones(N, 1)}
+    if qconfig.get("format") == "float-quantized":
+        tensors = {"m.weight": torch.zeros(N, K, dtype=torch.float8_e4m3fn), "m.weight_scale": torch.ones(1, 1)}
+    path = _write(tmp_path, tensors, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == f"{path / 'config.json'}: quantization_config: {what}"
+
+
+@pytest.mark.parametrize("status", ["frozen", "decompressed"])
+def test_compressed_tensors_checkpoint_saved_uncompressed_is_a_config_error(tmp_path, status):
+    # Dense weights with their scales, meant to be quantized and dequantized in each forward: the
+    # scales failed as unused, or the dense weights were called unquantized.
+    path = _write(tmp_path, {"m.weight": torch.zeros(N, K), "m.weight_scale": torch.ones(N, 1)},
+                  {**_ct_pack_config(), "quantization_status": status})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == (f"{path / 'config.json'}: quantization_config: quantization_status {status!r} (weights "
+                              "saved uncompressed, fake-quantized) is not supported; supported: 'compressed'")
+
+
 @pytest.mark.parametrize(("qconfig", "what"), [
     # bool("false") is True: each was read as true.
     ({"quant_method": "gptq", "bits": 4, "group_size": K, "desc_act": "yes"}, "desc_act 'yes'"),
@@ -267,6 +318,93 @@ def test_bad_quantized_tensors_name_the_file_the_tensor_and_the_problem(tmp_path
     with pytest.raises(TensorError) as err:
         open_checkpoint(path)
     assert err.value.tensor == tensor and str(path / "model.safetensors") in str(err.value) and what in str(err.value)
+
+
+def _ct(fmt: str, weights: dict) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+
+
+@pytest.mark.parametrize(("tensors", "qconfig", "tensor", "what"), [
+    # Each was a ValueError unpacking the shape, or a ZeroDivisionError on K = 0.
+    ({"m.weight": torch.zeros(64, dtype=torch.float8_e4m3fn), "m.weight_scale": torch.ones(1)},
+     _ct("float-quantized", {"num_bits": 8, "type": "float", "strategy": "tensor"}),
+     "m.weight", "FP8 weight of shape [64]; quantized weights have rows"),
+    ({"m.weight_packed": torch.zeros(64, dtype=torch.uint8), "m.weight_scale": torch.ones(8).to(torch.float8_e4m3fn),
+      "m.weight_global_scale": torch.ones(1)},
+     _ct("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}),
+     "m.weight_packed", "packed FP4 weight of shape [64]; expected [..., N, K/2]"),
+    ({"m.weight": torch.zeros(64, dtype=torch.uint8), "m.weight_scale": torch.ones(8).to(torch.float8_e4m3fn),
+      "m.weight_scale_2": torch.tensor(1.0)},
+     {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
+     "m.weight", "NVFP4 weight of shape [64]; expected [..., N, K/2]"),
+    ({"m.weight_packed": torch.zeros(N, 0, dtype=torch.int32), "m.weight_shape": torch.tensor([N, 0]),
+      "m.weight_scale": torch.ones(N, 1)},
+     _ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "channel"}),
+     "m.weight_shape", "weight_shape [8, 0] is not a shape: both sizes must be positive"),
+])
+def test_quantized_weight_without_rows_and_columns_is_named(tmp_path, tensors, qconfig, tensor, what):
+    path = _write(tmp_path, tensors, qconfig)
+    with pytest.raises(TensorError) as err:
+        open_checkpoint(path)
+    assert err.value.tensor == tensor and str(path / "model.safetensors") in str(err.value) and what in str(err.value)
+
+
+@pytest.mark.parametrize("qconfig", [
+    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+    _ct("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "channel"}),
+    {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+    {"quant_method": "mxfp4"},
+], ids=lambda q: q["quant_method"])
+def test_config_that_quantizes_weights_over_only_dense_tensors_is_a_config_error(tmp_path, qconfig):
+    # A dequantized copy that kept its quantization_config ran dense under the config's label.
+    path = _write(tmp_path, {"lm_head.weight": torch.zeros(N, K), "model.layers.0.m.weight": torch.zeros(
+        N, K, dtype=torch.bfloat16)}, qconfig)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value) == (f"{path / 'config.json'}: quantization_config says quant_method "
+                              f"{qconfig['quant_method']!r}, but no tensor is stored as it quantizes "
+                              "(model.layers.0.m.weight is stored as BF16); remove quantization_config to load the "
+                              "weights dense")
+
+
+def test_fp8_config_over_e5m2_weights_names_one(tmp_path):
+    path = _write(tmp_path, {"lm_head.weight": torch.zeros(N, K),
+                             "model.layers.0.m.weight": torch.zeros(N, K, dtype=torch.float8_e5m2)},
+                  {"quant_method": "fp8"})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(path)
+    assert str(err.value).endswith("but no tensor is stored as it quantizes (model.layers.0.m.weight is stored as "
+                                   "F8_E5M2)")
+
+
+def test_dense_weight_stored_beside_its_quantized_parts_is_named(tmp_path):
+    # The folded weight shadowed the dense one, which was neither read nor reported unused.
+    path = _gptq(tmp_path, tensors={"m.weight": torch.zeros(N, K, dtype=torch.bfloat16)})
+    with pytest.raises(TensorError) as err:
+        open_checkpoint(path)
+    assert err.value.tensor == "m.weight" and str(path / "model.safetensors") in str(err.value)
+    assert "stored beside the quantized parts of the same weight (m.qweight, m.qzeros, m.scales" in str(err.value)
+
+
+def test_weight_in_a_dtype_the_method_does_not_fold_does_not_ask_for_a_quantization_config(tmp_path):
+    # It said "quantized weights need config.json's quantization_config" beside one.
+    path = _write(tmp_path, {"a.weight": torch.zeros(N, K, dtype=torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(
+        1), "b.weight": torch.zeros(N, K, dtype=torch.float8_e5m2)}, {"quant_method": "fp8"})
+    with pytest.raises(TensorError) as err:
+        load_weights(open_checkpoint(path), {"a.weight": TensorSpec((N, K)), "b.weight": TensorSpec((N, K))})
+    assert err.value.tensor == "b.weight"
+    assert str(err.value).endswith("stored as F8_E5M2; supported safetensors dtypes: F32, F16, BF16 "
+                                   "(quantization_config's quant_method 'fp8' does not quantize it so)")
+
+
+def test_config_that_quantizes_only_the_kv_cache_loads_dense_weights(tmp_path):
+    qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+               "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}
+    ckpt = open_checkpoint(_write(tmp_path, {"m.weight": torch.zeros(N, K)}, qconfig))
+    assert ckpt.quantization == "compressed-tensors: no quantized weights; the rest dense"
 
 
 def test_nan_scale_is_named_when_the_weight_loads(tmp_path):
@@ -380,7 +518,9 @@ def test_fp8_kv_cache_scales_are_skipped_as_known_when_the_config_declares_the_c
 
 def test_kv_scales_stay_unused_strays_without_a_declared_cache_or_off_a_module_with_weights(tmp_path):
     fp8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
-    ckpt = open_checkpoint(_kv_checkpoint(tmp_path / "a", fp8, {_ATTN + "k_scale": torch.tensor(0.5)}))
+    q_fp8 = {_ATTN + "q_proj.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+             _ATTN + "q_proj.weight_scale": torch.tensor(1.0)}  # one quantized weight, as the config says
+    ckpt = open_checkpoint(_kv_checkpoint(tmp_path / "a", fp8, {**q_fp8, _ATTN + "k_scale": torch.tensor(0.5)}))
     assert ckpt.kv_cache_quantization is None and ckpt.skipped_tensors == {}
     with pytest.raises(TensorError, match=r"'model.layers.0.self_attn.k_scale': unused"):
         load_weights(ckpt, _PROJ)
@@ -414,3 +554,13 @@ def test_naive_quantized_int8_weights_fold_as_int_quantized_ones_without_an_acti
     w = ckpt.tensor("m.weight")
     assert w.fmt == "int8_g" and ckpt.quantization_notes == ()
     assert torch.equal(dequantize(w), torch.tensor([[S[n] * (Q[n][k] - 8) for k in range(K)] for n in range(N)]))
+
+
+def test_folded_weight_with_a_whole_shard_loads_folded_and_a_split_one_is_refused(tmp_path):
+    # A family's vocabulary shard on one rank is the whole tensor: it was refused as a split, and
+    # tensor_slice read the raw F8 part instead of the folded weight.
+    ckpt = open_checkpoint(_modelopt_fp8(tmp_path))
+    whole = load_weights(ckpt, {"m.weight": TensorSpec((N, K), shard=Shard(0, 0, N))})["m.weight"]
+    assert torch.equal(dequantize(whole), dequantize(ckpt.tensor("m.weight")))
+    with pytest.raises(TensorError, match="cannot be split for tensor parallelism yet"):
+        load_weights(ckpt, {"m.weight": TensorSpec((N, K), shard=Shard(0, 0, N // 2))})

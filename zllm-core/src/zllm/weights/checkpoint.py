@@ -149,6 +149,8 @@ class Checkpoint(abc.ABC):
         """
         weight = self.tensor(name)
         if isinstance(weight, QuantizedTensor):
+            if shard.start == 0 and shard.size == weight.shape[shard.dim]:
+                return weight
             return _quantized_slice(weight, shard, name, str(self.file_of(name)))
         part = weight.narrow(shard.dim, shard.start, shard.size)
         return part if part.is_contiguous() else part.contiguous()
@@ -180,6 +182,8 @@ def check_block_shard(name: str, shape: tuple[int, ...], fmt: str, shard: Shard,
         TensorError: names the tensor, its format, the block size and the columns per rank; or
             names the tensor and its HF quantized format.
     """
+    if shard.start == 0 and shard.size == shape[shard.dim]:
+        return  # the whole tensor (one rank's padded vocabulary share): nothing is split
     if fmt in FORMATS and fmt not in BLOCK_LAYOUTS:
         raise TensorError(
             file, name, f"{fmt} weights (a quantized HF checkpoint's) cannot be split for tensor parallelism yet: "

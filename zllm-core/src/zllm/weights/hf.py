@@ -320,10 +320,11 @@ class HFCheckpoint(Checkpoint):
         entry = self._entry(name)
         fmt = SAFETENSORS_FORMATS.get(entry.dtype)
         if fmt is None:
+            hint = ("quantized weights need config.json's quantization_config" if self._quant is None
+                    else f"quantization_config's quant_method {self._quant.method!r} does not quantize it so")
             raise TensorError(
                 str(entry.file), name,
-                f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)} "
-                "(quantized weights need config.json's quantization_config)",
+                f"stored as {entry.dtype}; supported safetensors dtypes: {', '.join(SAFETENSORS_FORMATS)} ({hint})",
             )
         return entry.shape, fmt
 
@@ -335,6 +336,8 @@ class HFCheckpoint(Checkpoint):
         return self._read(name)
 
     def tensor_slice(self, name: str, shard: Shard) -> torch.Tensor | QuantizedTensor:
+        if self._fold(name) is not None:  # the folded weight, not its first stored part
+            return super().tensor_slice(name, shard)
         # safetensors' slice reads only the requested bytes of the mapping.
         shape, _ = self.tensor_shape_format(name)
         index = tuple(slice(shard.start, shard.start + shard.size) if d == shard.dim else slice(None)

@@ -9,7 +9,7 @@ truncation, theta 150000) when ``rope_parameters`` is null. Every expert is ``in
 wide; every layer is a MoE layer of ``num_local_experts`` experts, ``num_experts_per_tok``
 per token.
 
-A checkpoint with a ``quantization_config`` (the released gpt-oss files: MXFP4 experts) has
+A checkpoint with ``quantization_config.quant_method: mxfp4`` (the released gpt-oss files) has
 its fused expert tensors folded by the weights layer into the weight-format registry's row
 layout, ``[E, rows, in-features]``: ``gate_up_proj [E, 2N, C]`` (the blocks' rows, gate even)
 and ``down_proj [E, C, N]``, where transformers' dense parameters are ``[E, C, 2N]`` and
@@ -37,7 +37,7 @@ class GptOssSpec:
     """Dimensions and constants of one gpt-oss model. Units: counts of elements/tokens.
 
     ``layer_windows[i]`` is layer ``i``'s sliding window in tokens, or None for full attention;
-    ``experts_in_rows``: the fused expert tensors are in row layout (a quantized checkpoint);
+    ``experts_in_rows``: the fused expert tensors are in row layout (MXFP4 experts, ``quant_method: mxfp4``);
     ``source`` is the checkpoint, for errors found once the tensor layout is known.
     """
 
@@ -132,9 +132,17 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> GptOssSpec:
         experts_per_tok=per_tok,
         swiglu_alpha=number("swiglu_alpha", 1.702),
         swiglu_limit=limit,
-        experts_in_rows=cfg.get("quantization_config") is not None,
+        experts_in_rows=_mxfp4_experts(cfg),
         source=source,
     )
+
+
+def _mxfp4_experts(cfg: dict[str, Any]) -> bool:
+    """Whether the fused experts are stored as MXFP4 blocks (``quant_method: mxfp4``), which fold
+    into the row layout. Another method (FP8, compressed-tensors) quantizes only ``Linear``
+    modules and leaves the fused expert parameters dense, in transformers' ``x @ W`` layout."""
+    qconfig = cfg.get("quantization_config")
+    return isinstance(qconfig, dict) and qconfig.get("quant_method") == "mxfp4"
 
 
 def _layer_windows(cfg: dict[str, Any], num_layers: int, context_length: int, source: str) -> tuple[int | None, ...]:

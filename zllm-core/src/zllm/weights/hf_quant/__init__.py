@@ -82,6 +82,20 @@ METHODS: dict[str, Callable[[PlanContext], None]] = {
 }
 
 
+def _unfolded_example(entries: Mapping[str, Stored]) -> str:
+    """What a checkpoint that folds no weight holds instead: a weight in a dtype no method folds
+    (F8_E5M2), else a decoder layer's dense weight, for the error's message."""
+    weights = [(n, e) for n, e in entries.items() if n.endswith(".weight") and len(e.shape) >= 2]
+    odd = [(n, e) for n, e in weights if e.dtype not in ("F32", "F16", "BF16")]
+    if odd:
+        return f" ({odd[0][0]} is stored as {odd[0][1].dtype})"
+    dense = [(n, e) for n, e in weights if ".layers." in n] or weights
+    if dense:
+        name, entry = dense[0]
+        return f" ({name} is stored as {entry.dtype}); remove quantization_config to load the weights dense"
+    return ""
+
+
 def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Stored], read: Reader) -> QuantPlan:
     """Plan the folds of a quantized HF checkpoint from its headers.
 
@@ -97,7 +111,8 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
 
     Raises:
         CheckpointError: the method, a format or a field is unknown or unsupported (names it
-            and lists the supported ones).
+            and lists the supported ones); no tensor is quantized although the config
+            quantizes weights.
         TensorError: a weight's scale, zero point, ``g_idx`` or shape tensor is missing,
             mis-shaped or of the wrong dtype; a group size does not divide K; a packed shape
             disagrees with ``weight_shape``; an FP8 weight has no scale.
@@ -110,4 +125,16 @@ def plan_quantization(config_file: Path, qconfig: Any, entries: Mapping[str, Sto
                                                 f"supported: {', '.join(METHODS)}")
     ctx = PlanContext(config_file, qconfig, entries, read)
     METHODS[method](ctx)
+    for fold in ctx.folds.values():
+        if fold.name in entries and fold.name not in fold.sources:
+            # The fold would shadow it: a stored tensor never read and never reported unused.
+            raise ctx.error(fold.name, f"stored beside the quantized parts of the same weight "
+                                       f"({', '.join(fold.sources)}); a checkpoint holds one or the other")
+    if not ctx.folds and ctx.kv_cache is None:
+        # A config that quantizes only the KV cache (compressed-tensors' kv_cache_scheme with no
+        # config groups) keeps its weights dense; any other without one quantized tensor
+        # disagrees with its own files (a dequantized copy that kept the config): say so
+        # rather than run dense weights under a quantization label.
+        raise CheckpointError(str(config_file), f"quantization_config says quant_method {method!r}, but no tensor "
+                                                f"is stored as it quantizes{_unfolded_example(entries)}")
     return QuantPlan(str(method), ctx.folds, ctx.skipped, tuple(ctx.notes), ctx.kv_cache)

@@ -58,13 +58,24 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
             raise ctx.config_error(f"{key} (sparse compressed-tensors checkpoints) is not supported")
     if q.get("kv_cache_scheme"):
         plan_kv_cache(ctx, "kv_cache_scheme", q["kv_cache_scheme"], ())
+    status = q.get("quantization_status")
+    if status is not None and status != "compressed":
+        # frozen / decompressed: dense weights beside scales that compressed-tensors applies by
+        # quantizing and dequantizing the weight in each forward; the folds read compressed tensors.
+        raise ctx.config_error(f"quantization_status {status!r} (weights saved uncompressed, fake-quantized) is not "
+                               "supported; supported: 'compressed'")
     if q.get("transform_config"):
         raise ctx.config_error("transform_config (rotated weights) is not supported")
     groups = []
-    for gname, group in (q.get("config_groups") or {}).items():
+    config_groups = q.get("config_groups") or {}
+    if not isinstance(config_groups, Mapping):
+        raise ctx.config_error(f"config_groups must be an object of named groups, got {type(config_groups).__name__}")
+    for gname, group in config_groups.items():
         check_keys(ctx, f"config_groups.{gname}", group, _CT_GROUP_KEYS)
         weights = group.get("weights") or {}
         check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
+        if weights:
+            _positive_int(ctx, f"config_groups.{gname}.weights.num_bits", weights.get("num_bits"))
         flag(ctx, f"config_groups.{gname}.weights.", weights, "symmetric", True)
         fmt = group.get("format") or q.get("format")
         group_size = weights.get("group_size")
@@ -80,6 +91,7 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         activations = group.get("input_activations")
         if activations:
             check_keys(ctx, f"config_groups.{gname}.input_activations", activations, CT_ARGS_KEYS)
+            _positive_int(ctx, f"config_groups.{gname}.input_activations.num_bits", activations.get("num_bits"))
             ctx.note_quantized_activations(_activations_text(activations))
         if not isinstance(group.get("targets") or [], list):
             raise ctx.config_error(f"config_groups.{gname}.targets: {group['targets']!r} is not a list")
@@ -95,6 +107,13 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
                                            f"expression: {e}") from None
         groups.append(_CtGroup(targets, weights, fmt))
     return groups
+
+
+def _positive_int(ctx: PlanContext, where: str, value: Any) -> None:
+    """A config error unless ``value`` (the config's ``where``) is absent or an integer >= 1: ``int()``
+    of a string raised ValueError, and 4.5 bits were read as 4."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ctx.config_error(f"{where} must be a positive integer, got {value!r}")
 
 
 def _activations_text(args: Mapping[str, Any]) -> str:
@@ -133,11 +152,15 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     bits, kind, strategy, _, group_size = _ct_args(group)
     if kind != "float" or bits != 8:
         raise ctx.config_error(f"{group.format} {kind} with {bits} bits is not supported (float with 8 bits is)")
+    if len(entry.shape) < 2:
+        raise ctx.error(name, f"FP8 weight of shape {list(entry.shape)}; quantized weights have rows")
     blocks: list[tuple[int, int]] = []
     if strategy == "block":
         bs = group.weights.get("block_structure")
-        if not (isinstance(bs, list) and len(bs) == 2):
-            raise ctx.config_error(f"strategy 'block' needs block_structure [rows, cols], got {bs!r}")
+        if not (isinstance(bs, list) and len(bs) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bs)):
+            raise ctx.config_error(f"strategy 'block' needs block_structure [rows, cols] of two positive integers, "
+                                   f"got {bs!r}")
         blocks.append((int(bs[0]), int(bs[1])))
     elif strategy == "group" and group_size:
         blocks.append((1, int(group_size)))
@@ -201,6 +224,8 @@ def _ct_pack(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
     ctx.need(shape_name, packed, "the logical shape")
     ctx.expect(shape_name, ("I64", "I32"), (2,), "weight_shape")
     n, k = (int(v) for v in ctx.read(shape_name).tolist())
+    if n < 1 or k < 1:
+        raise ctx.error(shape_name, f"weight_shape [{n}, {k}] is not a shape: both sizes must be positive")
     ctx.expect(packed, ("I32",), None, "packed weight")
     if ctx.entries[packed].shape != (n, ceil_div(k * bits, 32)):
         raise ctx.error(packed, f"packed shape {list(ctx.entries[packed].shape)} disagrees with weight_shape "
@@ -255,6 +280,8 @@ def _ct_fp4(ctx: PlanContext, prefix: str, group: _CtGroup, fmt: str) -> None:
         raise ctx.config_error(f"{fmt}-pack-quantized needs float weights of 4 bits in groups of {gs}; "
                                f"config says {kind} with {bits} bits in groups of {group_size}")
     entry = ctx.expect(packed, ("U8",), None, "packed FP4 weight")
+    if len(entry.shape) < 2:
+        raise ctx.error(packed, f"packed FP4 weight of shape {list(entry.shape)}; expected [..., N, K/2]")
     *lead, n, half = entry.shape
     k = 2 * half
     ctx.need(scale, packed, "block scale")

@@ -73,6 +73,8 @@ def _modelopt_nvfp4(ctx: PlanContext) -> None:
         prefix = name.removesuffix("weight")
         ctx.need(prefix + "weight_scale", name, "NVFP4 block scale")
         ctx.need(prefix + "weight_scale_2", name, "NVFP4 global scale (weight_scale_2)")
+        if len(entry.shape) < 2:
+            raise ctx.error(name, f"NVFP4 weight of shape {list(entry.shape)}; expected [..., N, K/2]")
         *lead, n, half = entry.shape
         k = 2 * half
         if k % 16:

@@ -160,7 +160,10 @@ class PlanContext:
 
 
 def check_keys(ctx: PlanContext, where: str, given: Mapping[str, Any], known: Iterable[str]) -> None:
-    """A config error naming the fields of ``given`` (at ``where``) not in ``known``, listing those."""
+    """A config error naming the fields of ``given`` (at ``where``) not in ``known``, listing those;
+    one saying so when ``given`` is not an object (a string's letters were read as its fields)."""
+    if not isinstance(given, Mapping):
+        raise ctx.config_error(f"{where} must be an object, got {type(given).__name__} {given!r}")
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise ctx.config_error(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
