@@ -174,12 +174,20 @@ def test_a_nan_nvfp4_scale_makes_its_row_nan_in_the_chunk_kernels_at_each_level(
     assert got[:, 1].isnan().all() and got[:, [0, 2]].isfinite().all()
 
 
+# Each weight is past the one-thread limit and cut into many work items: the chunk kernels (2100
+# rows of 512 columns) and the INT8 rows in 64-column multiples (1500 x 640, groups of 128 or one).
+THREAD_CASES = [(fmt, 2100, 512, 32, 11) for fmt in ("int4_g", "int8_g", "mxfp4", "nvfp4")] + [
+    ("int8_g", 1500, 640, 128, 12),
+    ("int8_g", 1500, 640, 640, 12),
+]
+
+
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("fmt", ["int4_g", "int8_g", "mxfp4", "nvfp4"])
-def test_the_chunk_kernels_give_the_same_bits_on_one_thread_and_two_at_each_level(level, fmt):
-    g = torch.Generator().manual_seed(11)
-    w = random_weight(fmt, 2100, 512, g, (1, 32))  # 2100 x 256 bytes: past the one-thread limit, many items
-    x = torch.randn(3, 512, generator=g)
+@pytest.mark.parametrize(("fmt", "n", "k", "group", "seed"), THREAD_CASES)
+def test_the_row_kernels_give_the_same_bits_on_one_thread_and_two_at_each_level(level, fmt, n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = random_weight(fmt, n, k, g, (1, group))
+    x = torch.randn(3, k, generator=g)
     saved = torch.get_num_threads()
     with at_level(level):
         try:
@@ -283,23 +291,6 @@ def test_an_int8_token_the_vnni_digits_cannot_hold_takes_the_f32_kernel_alone_at
         assert not ref.isfinite().any() and not got[1:2].isfinite().any()
 
 
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("group", [128, None])
-def test_int8_rows_in_64_column_multiples_give_the_same_bits_on_one_thread_and_two_at_each_level(level, group):
-    g = torch.Generator().manual_seed(12)
-    w = random_weight("int8_g", 1500, 640, g, (1, group or 640))  # 1500 x 640 bytes: past the one-thread limit
-    x = torch.randn(3, 640, generator=g)
-    saved = torch.get_num_threads()
-    with at_level(level):
-        try:
-            torch.set_num_threads(1)
-            one = quant_gemv.quant_gemv(x, w, None)
-            torch.set_num_threads(2)
-            two = quant_gemv.quant_gemv(x, w, None)
-        finally:
-            torch.set_num_threads(saved)
-    assert one.abs().sum() > 0 and torch.equal(one, two)
-    assert_close_to_reference(two, x, w, None)
 
 
 def test_the_setting_allows_avx512_unless_it_says_avx2():
