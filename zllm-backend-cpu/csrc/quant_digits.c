@@ -26,6 +26,7 @@
 #include "common.h"
 
 #include <float.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* 2^e for e in [-126, 127]: the f32 of those exponent bits. */
@@ -137,4 +138,24 @@ int digits_split_token(const digits_layout *L, const float *x, uint8_t *out) {
         if (L->order == DIGITS_COLUMNS) sums[gi] = hsum(_mm256_add_ps(sx[0], sx[1]));
     }
     return 1;
+}
+
+/* quant_digits.h */
+int64_t digits_gemv(digit_rows_fn rows, int order, int64_t row_bytes, const uint8_t *q, const float *scales,
+                    const uint8_t *zeros, int64_t g, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                    int64_t n, int64_t k, int threads) {
+    const digits_layout L = digits_layout_of(k, g, order);
+    uint8_t *dg = aligned_alloc(64, (size_t)(t * L.stride));
+    if (!dg) return -1;
+    int64_t run = 0;
+    while (run < t && digits_split_token(&L, x + run * xs, dg + run * L.stride)) run++;
+    const int64_t per = DIGITS_CHUNK_BYTES / row_bytes, each = per > 1 ? per : 1, items = (n + each - 1) / each;
+    const int nth = gemv_team(threads, items, n * row_bytes * run);
+    if (run > 0) {
+#pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++)
+            rows(&L, q, scales, zeros, dg, bias, y, n, run, i * each, (i + 1) * each < n ? (i + 1) * each : n);
+    }
+    free(dg);
+    return run;
 }

@@ -9,6 +9,7 @@
 
 #define DIGITS_BLOCK 256 /* columns per digit scale d (at most: a group's last block may be shorter) */
 #define DIGITS_N 4
+#define DIGITS_CHUNK_BYTES (64 << 10) /* weight bytes per work item, as quant_gemv.c */
 #define DIGITS_MIN_E (-126 + 7 * (DIGITS_N - 1)) /* the smallest E whose last digit weight is normal */
 
 /* Where the digits of a 64-column step go, for the quants' order in a 64-byte (INT8) or 32-byte
@@ -38,5 +39,19 @@ digits_layout digits_layout_of(int64_t k, int64_t g, int order) __attribute__((v
  * non-finite value or a block's max |x| is nonzero and under 2^-99 = 2^(DIGITS_MIN_E + 6) (the
  * caller takes that token through its f32 kernels), else 1. */
 int digits_split_token(const digits_layout *L, const float *x, uint8_t *out) __attribute__((visibility("hidden")));
+
+/* Rows [r0, r1) of a digit kernel times the T tokens' digits dg (stride L->stride) -> y [T, N]. */
+typedef void (*digit_rows_fn)(const digits_layout *L, const uint8_t *q, const float *scales, const uint8_t *zeros,
+                              const uint8_t *dg, const float *bias, float *y, int64_t n, int64_t t, int64_t r0,
+                              int64_t r1);
+
+/* A digit kernel's GEMV (the caller has checked the ISA level and the shape): splits the leading
+ * tokens whose x the digits hold (digits_layout_of(k, g, order)), runs `rows` over work items of
+ * about DIGITS_CHUNK_BYTES of weights (row_bytes a row) handed out dynamically, and returns their
+ * count (0: the first token's x cannot be held); -1 where the digits cannot be allocated (nothing
+ * written). */
+int64_t digits_gemv(digit_rows_fn rows, int order, int64_t row_bytes, const uint8_t *q, const float *scales,
+                    const uint8_t *zeros, int64_t g, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
+                    int64_t n, int64_t k, int threads) __attribute__((visibility("hidden")));
 
 #endif

@@ -48,17 +48,15 @@
  * Order: a row's result depends only on its quants, scales and zero points, its token's x, K, g
  * and DIGITS_BLOCK, never on T, N, the other rows or the thread split. Tokens go two at a time
  * through one load of a row, each token's accumulators taking the same operations as alone.
- * Threads: work items of about I4_CHUNK_BYTES of weights, handed out dynamically (quant_gemv.c).
+ * Threads: work items of about DIGITS_CHUNK_BYTES of weights, handed out dynamically (quant_digits.c).
  */
 #include "common.h"
 #include "isa.h"
 #include "quant_digits.h"
 #include "quant_gemv_int4.h"
 
-#include <stdlib.h>
 
 #define I4_TOKENS 2
-#define I4_CHUNK_BYTES (64 << 10) /* weight bytes per work item, as quant_gemv.c */
 #define I4_PREFETCH 2048
 
 /* One block of STEPS 64-column steps: the row's bytes at qp against TT tokens' digits at dp
@@ -186,18 +184,5 @@ int64_t int4_digits_gemv(const uint8_t *q, const float *scales, const uint8_t *z
     if (native_isa_level >= ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || (g < k ? g : k) < 128 ||
         t <= 0 || n <= 0)
         return -1;
-    const digits_layout L = digits_layout_of(k, g, DIGITS_NIBBLES);
-    uint8_t *dg = aligned_alloc(64, (size_t)(t * L.stride));
-    if (!dg) return -1;
-    int64_t run = 0;
-    while (run < t && digits_split_token(&L, x + run * xs, dg + run * L.stride)) run++;
-    const int64_t per = I4_CHUNK_BYTES / (k / 2), rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
-    int nth = gemv_team(threads, items, n * (k / 2) * run);
-    if (run > 0) {
-#pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
-        for (int64_t i = 0; i < items; i++)
-            rows_int4(&L, q, scales, zeros, dg, bias, y, n, run, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n);
-    }
-    free(dg);
-    return run;
+    return digits_gemv(rows_int4, DIGITS_NIBBLES, k / 2, q, scales, zeros, g, x, xs, bias, y, t, n, k, threads);
 }

@@ -34,17 +34,15 @@
  * Order: a row's result depends only on its quants, its token's x, K, g and DIGITS_BLOCK, never
  * on T, N, the other rows or the thread split. Tokens go two at a time through one load of a
  * row, each token's accumulators taking the same operations as alone. Threads: the work items
- * of quant_gemv.c's gemv (about VNNI_CHUNK_BYTES of weights, handed out dynamically).
+ * of quant_gemv.c's gemv (about DIGITS_CHUNK_BYTES of weights, handed out dynamically: quant_digits.c).
  */
 #include "common.h"
 #include "isa.h"
 #include "quant_digits.h"
 #include "quant_gemv_vnni.h"
 
-#include <stdlib.h>
 
 #define VNNI_TOKENS 2
-#define VNNI_CHUNK_BYTES (64 << 10) /* weight bytes per work item, as quant_gemv.c */
 #define VNNI_PREFETCH 2048
 
 INLINE AVX512 float hsum512_vnni(__m512 v) {
@@ -137,18 +135,5 @@ int64_t int8_vnni_gemv(const uint8_t *q, const float *scales, const uint8_t *zer
                        int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     if (native_isa_level < ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || t <= 0 || n <= 0)
         return -1;
-    const digits_layout L = digits_layout_of(k, g, DIGITS_COLUMNS);
-    uint8_t *dg = aligned_alloc(64, (size_t)(t * L.stride));
-    if (!dg) return -1;
-    int64_t run = 0;
-    while (run < t && digits_split_token(&L, x + run * xs, dg + run * L.stride)) run++;
-    const int64_t per = VNNI_CHUNK_BYTES / k, rows = per > 1 ? per : 1, items = (n + rows - 1) / rows;
-    int nth = gemv_team(threads, items, n * k * run);
-    if (run > 0) {
-#pragma omp parallel for num_threads(nth) schedule(dynamic, 1)
-        for (int64_t i = 0; i < items; i++)
-            rows_vnni(&L, q, scales, zeros, dg, bias, y, n, run, i * rows, (i + 1) * rows < n ? (i + 1) * rows : n);
-    }
-    free(dg);
-    return run;
+    return digits_gemv(rows_vnni, DIGITS_COLUMNS, k, q, scales, zeros, g, x, xs, bias, y, t, n, k, threads);
 }
