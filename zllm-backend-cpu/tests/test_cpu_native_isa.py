@@ -222,19 +222,33 @@ def identity_int8(k: int) -> QuantizedTensor:
                            "int8_g", (k, k), block=(1, k))
 
 
+def identity_int4(k: int) -> QuantizedTensor:
+    """The ``int4_g`` weight ``[K, K]`` with w = I (q one-hot, scale 1, zero point 0): y = x, or the
+    x an INT4 kernel computes with."""
+    q = torch.zeros(k, k // 2, dtype=torch.uint8)
+    rows = torch.arange(k)
+    q[rows, rows // 2] = torch.where(rows % 2 == 0, 1, 16).to(torch.uint8)  # low nibble: even column
+    return QuantizedTensor({"qweight": q, "scales": torch.ones(k, 1), "zeros": torch.zeros(k, 1, dtype=torch.uint8)},
+                           "int4_g", (k, k), block=(1, k))
+
+
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("identity", [identity_int8, identity_int4], ids=["int8_g", "int4_g"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), k64=st.integers(1, 5))
-def test_int8_rows_hold_x_to_2_to_the_minus_28_of_its_max_at_each_level(level, data, k64):
-    # AVX-512 with K a multiple of 64: x as four int8 digits below a power of two per block
-    # (csrc/quant_gemv_vnni.c), |x - held| < max|x| 2^-21 / 127; held then rounded to f32 once.
-    # AVX2: x exactly. Any finite x: wide exponent ranges, zeros, subnormals, outliers.
+def test_digit_rows_hold_x_to_2_to_the_minus_28_of_its_block_max_at_each_level(level, identity, data, k64):
+    # INT8 at AVX-512 and INT4 at AVX2 (K >= 128, one group a row): x as four int8 digits below a
+    # power of two per block of up to 256 columns (csrc/quant_digits.c), |x - held| < max|x| 2^-21 /
+    # 127 with the block's max; held then rounded to f32 once. The other levels, INT4 at K 64 and a
+    # token with a block max under 2^-99: x exactly. Any finite x: wide exponent ranges, zeros,
+    # subnormals, outliers.
     k = 64 * k64
     x = torch.tensor(data.draw(st.lists(st.floats(-(2.0**100), 2.0**100, width=32), min_size=k, max_size=k)))[None]
     with at_level(level):
-        got = quant_gemv.quant_gemv(x, identity_int8(k), None)
+        got = quant_gemv.quant_gemv(x, identity(k), None)
     x64, err = x.double(), (got.double() - x.double()).abs()
-    bound = x64.abs().max() * 2.0**-21 / 127 + (x64.abs() + x64.abs().max() * 2.0**-28) * 2.0**-24
+    block_max = torch.cat([b.abs().amax().expand(b.shape[-1]) for b in x64[0].split(256)])
+    bound = block_max * 2.0**-21 / 127 + (x64.abs() + block_max * 2.0**-28) * 2.0**-24
     assert (err <= bound).all(), (err - bound).max()
 
 
