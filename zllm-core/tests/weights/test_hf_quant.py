@@ -129,6 +129,9 @@ def _gptq(tmp_path: Path, drop: str | None = None, **changes) -> Path:
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported; supported: fp8, "),
     ({"quant_method": "fbgemm_fp8"}, "'fbgemm_fp8'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "weird": 1}, "unknown field 'weird'"),
+    # true counts as 1 in Python: a block of one row was read from it.
+    ({"quant_method": "fp8", "weight_block_size": [True, 128]},
+     "weight_block_size must be [rows, cols], two positive integers, got [True, 128]"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version 'exllama' is not supported; supported: gemm"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}},
@@ -206,10 +209,10 @@ def _ct_pack_config(**weights) -> dict:
     # A zero block was a ZeroDivisionError, a string one a ValueError.
     ({**_ct_pack_config(), "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [0, 32]}}}},
-     "strategy 'block' needs block_structure [rows, cols] of two positive integers, got [0, 32]"),
+     "strategy 'block': block_structure must be [rows, cols], two positive integers, got [0, 32]"),
     ({**_ct_pack_config(), "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 8, "type": "float", "strategy": "block", "block_structure": ["a", 32]}}}},
-     "strategy 'block' needs block_structure [rows, cols] of two positive integers, got ['a', 32]"),
+     "strategy 'block': block_structure must be [rows, cols], two positive integers, got ['a', 32]"),
 ])
 def test_compressed_tensors_config_of_the_wrong_shape_is_a_config_error_naming_the_field(tmp_path, qconfig, what):
     tensors = {"m.weight_packed": torch.zeros(N, 1, dtype=torch.int32), "m.weight_shape": torch.tensor([N, K]),

@@ -26,12 +26,14 @@ from zllm.weights.hf_quant.plan import (
     Fold,
     PlanContext,
     Reader,
+    block_shape,
     ceil_div,
     check_keys,
     finite_scale,
     flag,
     group_perm,
     int_weight,
+    positive_int,
     unpack_words,
 )
 
@@ -74,13 +76,11 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         check_keys(ctx, f"config_groups.{gname}", group, _CT_GROUP_KEYS)
         weights = group.get("weights") or {}
         check_keys(ctx, f"config_groups.{gname}.weights", weights, CT_ARGS_KEYS)
-        if weights:
-            _positive_int(ctx, f"config_groups.{gname}.weights.num_bits", weights.get("num_bits"))
+        _check_num_bits(ctx, f"config_groups.{gname}.weights", weights)
         flag(ctx, f"config_groups.{gname}.weights.", weights, "symmetric", True)
         fmt = group.get("format") or q.get("format")
         group_size = weights.get("group_size")
-        if weights.get("strategy") in ("group", "tensor_group") and (
-                isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        if weights.get("strategy") in ("group", "tensor_group") and not positive_int(group_size):
             # compressed-tensors' QuantizationArgs refuses a missing or non-positive one too;
             # read as they were, none meant one group per row and -1 a negative group count.
             raise ctx.config_error(f"config_groups.{gname}.weights: strategy {weights['strategy']!r} needs a "
@@ -91,7 +91,7 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
         activations = group.get("input_activations")
         if activations:
             check_keys(ctx, f"config_groups.{gname}.input_activations", activations, CT_ARGS_KEYS)
-            _positive_int(ctx, f"config_groups.{gname}.input_activations.num_bits", activations.get("num_bits"))
+            _check_num_bits(ctx, f"config_groups.{gname}.input_activations", activations)
             ctx.note_quantized_activations(_activations_text(activations))
         if not isinstance(group.get("targets") or [], list):
             raise ctx.config_error(f"config_groups.{gname}.targets: {group['targets']!r} is not a list")
@@ -109,11 +109,12 @@ def _ct_groups(ctx: PlanContext) -> list[_CtGroup]:
     return groups
 
 
-def _positive_int(ctx: PlanContext, where: str, value: Any) -> None:
-    """A config error unless ``value`` (the config's ``where``) is absent or an integer >= 1: ``int()``
-    of a string raised ValueError, and 4.5 bits were read as 4."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ctx.config_error(f"{where} must be a positive integer, got {value!r}")
+def _check_num_bits(ctx: PlanContext, where: str, args: Mapping[str, Any]) -> None:
+    """A config error unless ``args``' ``num_bits`` (at ``where``) is absent or a positive integer:
+    ``int()`` of a string raised ValueError, and 4.5 bits were read as 4."""
+    bits = args.get("num_bits")
+    if bits is not None and not positive_int(bits):
+        raise ctx.config_error(f"{where}.num_bits must be a positive integer, got {bits!r}")
 
 
 def _activations_text(args: Mapping[str, Any]) -> str:
@@ -156,12 +157,7 @@ def _ct_float(ctx: PlanContext, prefix: str, group: _CtGroup) -> None:
         raise ctx.error(name, f"FP8 weight of shape {list(entry.shape)}; quantized weights have rows")
     blocks: list[tuple[int, int]] = []
     if strategy == "block":
-        bs = group.weights.get("block_structure")
-        if not (isinstance(bs, list) and len(bs) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bs)):
-            raise ctx.config_error(f"strategy 'block' needs block_structure [rows, cols] of two positive integers, "
-                                   f"got {bs!r}")
-        blocks.append((int(bs[0]), int(bs[1])))
+        blocks.append(block_shape(ctx, "strategy 'block': block_structure", group.weights.get("block_structure")))
     elif strategy == "group" and group_size:
         blocks.append((1, int(group_size)))
     block = fp8_block(ctx, scale, ctx.entries[scale].shape, entry.shape, blocks)

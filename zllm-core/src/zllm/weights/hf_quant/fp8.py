@@ -16,6 +16,7 @@ from zllm.weights.hf_quant.plan import (
     Fold,
     PlanContext,
     Reader,
+    block_shape,
     ceil_div,
     check_keys,
     scale_f32,
@@ -67,10 +68,7 @@ def plan_fp8(ctx: PlanContext) -> None:
     check_keys(ctx, "quant_method 'fp8'", q, _FP8_KEYS)
     blocks: list[tuple[int, int]] = []
     if q.get("weight_block_size") is not None:
-        wbs = q["weight_block_size"]
-        if not (isinstance(wbs, list) and len(wbs) == 2 and all(isinstance(v, int) and v > 0 for v in wbs)):
-            raise ctx.config_error(f"weight_block_size must be two positive integers [rows, cols], got {wbs!r}")
-        blocks.append((wbs[0], wbs[1]))
+        blocks.append(block_shape(ctx, "weight_block_size", q["weight_block_size"]))
     if q.get("activation_scheme"):
         ctx.note_quantized_activations(f"FP8 E4M3 ({q['activation_scheme']} scales)")
     if q.get("kv_cache_scheme"):

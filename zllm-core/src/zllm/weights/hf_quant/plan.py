@@ -181,6 +181,19 @@ def flag(ctx: PlanContext, where: str, given: Mapping[str, Any], key: str, defau
     return value
 
 
+def positive_int(value: Any) -> bool:
+    """Whether a config value is an integer >= 1 (a bool is not, though Python counts it one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def block_shape(ctx: PlanContext, where: str, value: Any) -> tuple[int, int]:
+    """The config's ``where`` as a block ``(rows, cols)``; a config error unless it is a list of
+    two positive integers."""
+    if not (isinstance(value, list) and len(value) == 2 and all(positive_int(v) for v in value)):
+        raise ctx.config_error(f"{where} must be [rows, cols], two positive integers, got {value!r}")
+    return value[0], value[1]
+
+
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive integers."""
     return -(-a // b)
