@@ -132,6 +132,8 @@ def _gptq(tmp_path: Path, drop: str | None = None, **changes) -> Path:
     # true counts as 1 in Python: a block of one row was read from it.
     ({"quant_method": "fp8", "weight_block_size": [True, 128]},
      "weight_block_size must be [rows, cols], two positive integers, got [True, 128]"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": True}, "group_size must be a positive integer or -1, got True"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1.0}, "group_size must be a positive integer or -1, got -1.0"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version 'exllama' is not supported; supported: gemm"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}},

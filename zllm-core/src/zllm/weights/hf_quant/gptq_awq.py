@@ -20,6 +20,7 @@ from zllm.weights.hf_quant.plan import (
     flag,
     group_perm,
     int_weight,
+    positive_int,
     unpack_words,
 )
 
@@ -38,7 +39,7 @@ def _bits_group(ctx: PlanContext, allowed_bits: tuple[int, ...]) -> tuple[int, i
     if bits not in allowed_bits:
         raise ctx.config_error(f"bits {bits!r} is not supported for {ctx.qconfig['quant_method']!r}; supported: "
                                f"{', '.join(map(str, allowed_bits))}")
-    if not isinstance(group, int) or (group <= 0 and group != -1):
+    if not (positive_int(group) or (type(group) is int and group == -1)):
         raise ctx.config_error(f"group_size must be a positive integer or -1, got {group!r}")
     return bits, group
 
