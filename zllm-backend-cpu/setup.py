@@ -35,7 +35,7 @@ NATIVE = Extension(
     "zllm_backend_cpu._native",
     sources=sorted(str(p.relative_to(Path(__file__).parent)) for p in (Path(__file__).parent / "csrc").glob("*.c")),
     depends=["csrc/common.h", "csrc/gemv.h", "csrc/isa.h", "csrc/paged.h", "csrc/quant_gemv.h",
-             "csrc/quant_digits.h", "csrc/quant_gemv_bf16.h", "csrc/quant_gemv_int4.h", "csrc/quant_gemv_vnni.h"],
+             "csrc/quant_digits.h", "csrc/quant_gemv_bf16.h"],
     # The ISA flags name exactly what the intrinsics need (checked at load time; the AVX-512
     # row kernels carry their own target attribute and are chosen at load, csrc/isa.h); -mtune
     # schedules for the machine that builds (and runs) it. No -ffast-math and no

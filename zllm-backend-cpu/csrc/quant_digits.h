@@ -54,4 +54,17 @@ int64_t digits_gemv(digit_rows_fn rows, int order, int64_t row_bytes, const uint
                     const uint8_t *zeros, int64_t g, const float *x, int64_t xs, const float *bias, float *y, int64_t t,
                     int64_t n, int64_t k, int threads) __attribute__((visibility("hidden")));
 
+/* The digit kernels' entries, called from quant_gemv.c's zllm_qgemv_int8 (int8_vnni_gemv:
+ * quant_gemv_vnni.c, AVX512-VNNI) and zllm_qgemv_int4 (int4_digits_gemv: quant_gemv_int4.c, AVX2
+ * vpmaddubsw), with their arguments -> y for the leading tokens whose x the digits hold, returning
+ * their count (0 where the first token's x cannot be held: the caller takes that token alone, then
+ * calls again with the rest); -1 where the ISA level or the shape rule these rows out, or the
+ * digits cannot be allocated (nothing written). */
+int64_t int8_vnni_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
+                       int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads)
+    __attribute__((visibility("hidden")));
+int64_t int4_digits_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
+                         int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads)
+    __attribute__((visibility("hidden")));
+
 #endif

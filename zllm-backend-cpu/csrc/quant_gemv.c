@@ -101,10 +101,9 @@
  */
 #include "common.h"
 #include "isa.h"
+#include "quant_digits.h"
 #include "quant_gemv.h"
 #include "quant_gemv_bf16.h"
-#include "quant_gemv_int4.h"
-#include "quant_gemv_vnni.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -933,7 +932,7 @@ static void gemv_int8_f32(const qweight *w, const float *x, int64_t xs, const fl
     gemv_planned(w, L_INT8, x, xs, bias, y, t, threads);
 }
 
-/* A whole-GEMV kernel against x as integer digits (quant_gemv_vnni.h, quant_gemv_int4.h): y for
+/* A whole-GEMV kernel against x as integer digits (quant_digits.h): y for
  * the leading tokens whose x the digits hold, their count, or -1 where it does not apply. */
 typedef int64_t (*digits_gemv_fn)(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g,
                                   const float *x, int64_t xs, const float *bias, float *y, int64_t t, int64_t n,

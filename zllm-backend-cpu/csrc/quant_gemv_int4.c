@@ -53,7 +53,6 @@
 #include "common.h"
 #include "isa.h"
 #include "quant_digits.h"
-#include "quant_gemv_int4.h"
 
 
 #define I4_TOKENS 2
@@ -178,7 +177,7 @@ static void rows_int4(const digits_layout *L, const uint8_t *q, const float *sca
     }
 }
 
-/* quant_gemv_int4.h: the leading tokens whose x digits_split_token holds, through rows_int4. */
+/* quant_digits.h: the leading tokens whose x digits_split_token holds, through rows_int4. */
 int64_t int4_digits_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
                          int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     if (native_isa_level >= ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || (g < k ? g : k) < 128 ||

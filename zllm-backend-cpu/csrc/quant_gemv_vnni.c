@@ -39,7 +39,6 @@
 #include "common.h"
 #include "isa.h"
 #include "quant_digits.h"
-#include "quant_gemv_vnni.h"
 
 
 #define VNNI_TOKENS 2
@@ -130,7 +129,7 @@ AVX512 static void rows_vnni(const digits_layout *L, const uint8_t *q, const flo
     }
 }
 
-/* quant_gemv_vnni.h: the leading tokens whose x digits_split_token holds, through rows_vnni. */
+/* quant_digits.h: the leading tokens whose x digits_split_token holds, through rows_vnni. */
 int64_t int8_vnni_gemv(const uint8_t *q, const float *scales, const uint8_t *zeros, int64_t g, const float *x,
                        int64_t xs, const float *bias, float *y, int64_t t, int64_t n, int64_t k, int threads) {
     if (native_isa_level < ISA_AVX512 || k <= 0 || k % 64 || g <= 0 || (g % 64 && g < k) || t <= 0 || n <= 0)
