@@ -120,6 +120,8 @@ def test_fp8_attention_with_dense_experts_runs_the_experts_as_saved(checkpoint, 
     (fp8 / "config.json").write_text(json.dumps(config))
 
     request = {"prompt_token_ids": [5, 6, 7], "max_tokens": 6, "stop_token_ids": []}
-    outs = [zllm.Engine.from_config(write_config(tmp_path / d.name, d)).generate(request)["token_ids"]
-            for d in (fp8, dense)]
+    outs = []
+    for d in (fp8, dense):
+        with zllm.Engine.from_config(write_config(tmp_path / d.name, d)) as engine:
+            outs.append(engine.generate(request)["token_ids"])
     assert outs[0] == outs[1]

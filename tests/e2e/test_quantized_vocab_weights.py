@@ -43,7 +43,7 @@ def test_fp8_vocab_weight_runs_as_its_dequantized_copy(tmp_path, tied, vocab_mod
     request = {"prompt_token_ids": PROMPT, "max_tokens": 8, "stop_token_ids": []}
     outs = []
     for ckpt in (quantized, reference):
-        engine = zllm.Engine.from_config(write_config(ckpt, ckpt))
-        outs.append((engine.prompt_logits(PROMPT), engine.generate(request)["token_ids"]))
+        with zllm.Engine.from_config(write_config(ckpt, ckpt)) as engine:
+            outs.append((engine.prompt_logits(PROMPT), engine.generate(request)["token_ids"]))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=0)
     assert outs[0][1] == outs[1][1]
